@@ -1,0 +1,35 @@
+"""The `xformer` command line: one typer app, one module per command."""
+
+from __future__ import annotations
+
+import typer
+from xformer_cli.check import check
+from xformer_cli.common import STATE
+
+import xformer
+
+app = typer.Typer(
+    name="xformer",
+    help="Train, evaluate and take apart Transformer models.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+
+
+def _version(value: bool) -> None:
+    if value:
+        typer.echo(f"xformer {xformer.__version__}")
+        raise typer.Exit()
+
+
+@app.callback()
+def main(
+    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks instead of one-line errors."),
+    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+) -> None:
+    """Train, evaluate and take apart Transformer models."""
+    STATE["debug"] = debug
+
+
+app.command("check")(check)

@@ -1,0 +1,24 @@
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+@pytest.fixture
+def shared_dir() -> Path:
+    """../shared beside the checkout. Absent: skip, unless XFORMER_REQUIRE_SHARED=1 (CI),
+    where a missing corpus must fail the run rather than silently skip tests."""
+    if not (SHARED / "data" / "multi30k").is_dir():
+        message = f"needs the shared data folder {SHARED}/data/multi30k"
+        if os.environ.get("XFORMER_REQUIRE_SHARED") == "1":
+            pytest.fail(message + " (XFORMER_REQUIRE_SHARED=1)")
+        pytest.skip(message)
+    return SHARED
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    torch.manual_seed(0)

@@ -1,0 +1,119 @@
+import pytest
+
+from xformer.config import ModelConfig, Recipe, load_recipe, parse_override, recipe_from_dict
+from xformer.errors import RecipeError
+
+VALID = {"train": {"max_steps": 10}}
+
+
+def problems(raw, overrides=()):
+    with pytest.raises(RecipeError) as info:
+        recipe_from_dict(raw, list(overrides), source="r.toml")
+    return info.value.problems
+
+
+def test_unknown_key_suggests_the_closest():
+    (line,) = problems({**VALID, "model": {"d_modle": 256}})
+    assert line == "r.toml: model.d_modle: unknown key; did you mean 'd_model'?"
+
+
+def test_unknown_table_suggests_the_closest():
+    (line,) = problems({**VALID, "modle": {}})
+    assert "modle: unknown table; did you mean 'model'?" in line
+
+
+def test_all_problems_are_reported_together():
+    lines = problems({
+        "model": {"d_model": "512", "positional": "rope", "n_heads": 8, "dropout": 1.5},
+        "train": {"lr": -1.0, "max_steps": 10, "betas": [0.9]},
+        "eval": {"beam": 0},
+    })
+    text = "\n".join(lines)
+    assert 'model.d_model: expected an integer, found "512" (string)' in text
+    assert "model.positional: expected one of 'sinusoidal', 'learned', found \"rope\"" in text
+    assert "train.lr: expected a positive number, found -1.0" in text
+    assert "train.betas: expected two numbers in [0, 1), found [0.9]" in text
+    assert "eval.beam: expected a positive number, found 0" in text
+    assert len(lines) == 5  # model.dropout waits: the table has a type error, its ranges are not checked
+
+
+@pytest.mark.parametrize("model,expected", [
+    ({"d_model": 100, "n_heads": 3}, "model.d_model: expected a multiple of model.n_heads = 3, found 100"),
+    ({"n_heads": 8, "n_kv_heads": 3}, "model.n_kv_heads: expected a divisor of model.n_heads = 8, found 3"),
+    ({"arch": "seq2seq", "pooling": "mean"}, "model.pooling: applies only when model.arch = 'classifier'"),
+    ({"arch": "classifier", "n_decoder_layers": 2}, "model.n_decoder_layers: applies only when model.arch = 'seq2seq'"),
+])
+def test_cross_field_rules(model, expected):
+    assert any(expected in line for line in problems({**VALID, "model": model}))
+
+
+def test_tie_all_needs_a_joint_vocabulary():
+    lines = problems({**VALID, "model": {"tie_embeddings": "all"}, "data": {"joint_vocab": False}})
+    assert lines == ["r.toml: model.tie_embeddings: 'all' shares one embedding between both languages "
+                     "and needs data.joint_vocab = true, found false"]
+
+
+def test_a_stopping_rule_is_required():
+    assert any("train.max_steps: expected at least one of" in line for line in problems({}))
+
+
+def test_overrides_are_toml_typed_and_validated_the_same_way():
+    recipe = recipe_from_dict(VALID, ["train.lr=3e-4", "model.positional=learned", "train.betas=[0.9, 0.99]",
+                                      "model.scale_embeddings=false"])
+    assert recipe.train.lr == 3e-4
+    assert recipe.model.positional == "learned"
+    assert recipe.train.betas == [0.9, 0.99]
+    assert recipe.model.scale_embeddings is False
+    assert problems(VALID, ["model.d_model=abc"]) == ['--set model.d_model: expected an integer, found "abc" (string)']
+
+
+@pytest.mark.parametrize("bad", ["lr=1", "train.lr", "=3", "train.=3", "a.b.c=1"])
+def test_malformed_override(bad):
+    assert problems(VALID, [bad]) == [f"--set {bad}: expected section.key=value, e.g. train.lr=3e-4"]
+
+
+def test_parse_override_types():
+    assert parse_override("model.n_heads=4") == ("model", "n_heads", 4)
+    assert parse_override("data.dataset=../shared/data/multi30k") == ("data", "dataset", "../shared/data/multi30k")
+    assert parse_override('data.dataset="x y"') == ("data", "dataset", "x y")
+
+
+def test_int_is_accepted_where_a_float_is_expected():
+    recipe = recipe_from_dict({"train": {"max_steps": 10, "lr": 1}})
+    assert recipe.train.lr == 1.0 and isinstance(recipe.train.lr, float)
+
+
+def test_bool_is_not_an_integer():
+    assert problems({**VALID, "model": {"d_model": True}}) == [
+        "r.toml: model.d_model: expected an integer, found true (boolean)"]
+
+
+def test_derived_values_are_properties_and_not_saved():
+    cfg = ModelConfig(d_model=256, n_heads=4, n_kv_heads=2)
+    assert (cfg.head_dim, cfg.kv_heads) == (64, 2)
+    saved = Recipe(model=cfg).to_dict()["model"]
+    assert "head_dim" not in saved and "kv_heads" not in saved
+
+
+def test_saved_recipe_round_trips(tmp_path):
+    recipe = recipe_from_dict({"model": {"n_kv_heads": 2, "norm_position": "pre", "norm_eps": 1e-6},
+                               "data": {"dataset": 'a "quoted" path\\x'},
+                               "train": {"max_time": 50.0, "betas": [0.9, 0.98]}})
+    path = tmp_path / "saved.toml"
+    recipe.save(path)
+    assert load_recipe(path) == recipe
+
+
+def test_switched_off_fields_are_left_out_of_saved_recipes():
+    saved = Recipe(model=ModelConfig(arch="classifier")).to_dict()
+    assert "n_decoder_layers" not in saved["model"] and "tie_embeddings" not in saved["model"]
+    assert saved["model"]["pooling"] == "cls"
+
+
+def test_missing_and_invalid_files(tmp_path):
+    with pytest.raises(RecipeError, match="no such recipe file"):
+        load_recipe(tmp_path / "absent.toml")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[model\n")
+    with pytest.raises(RecipeError, match="bad.toml: not valid TOML"):
+        load_recipe(bad)

@@ -1,0 +1,16 @@
+"""xformer: train, evaluate and take apart Transformer models.
+
+The core library; the `xformer` command in `xformer_cli` is a thin shell over it. This
+package never imports typer or rich, so it can be used from any program or notebook.
+"""
+
+from xformer.config import Recipe, load_recipe
+from xformer.errors import RecipeError, XformerError
+from xformer.model import build_for_recipe, build_model, count_parameters
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Recipe", "RecipeError", "XformerError", "build_for_recipe", "build_model",
+    "count_parameters", "load_recipe",
+]

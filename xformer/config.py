@@ -1,0 +1,468 @@
+"""Recipes: TOML files with [model] [data] [train] [eval] tables, loaded into strict dataclasses.
+
+Strict means: an unknown key is an error with a "did you mean" hint; a value of the wrong type
+is an error naming the key and the expected type; a parameter that belongs to a variant that
+is switched off (say `model.pooling` on a seq2seq model) is an error rather than silently
+ignored; cross-field rules (`d_model % n_heads == 0`, ...) are checked. Every problem is
+collected and reported together in one `RecipeError`.
+
+Derived values (`head_dim`, `kv_heads`) are properties, so they are never written into a
+saved recipe and a saved recipe reloads to an equal `Recipe`.
+
+Overrides `--set section.key=value` are parsed as TOML values (`--set train.lr=3e-4`,
+`--set model.positional=learned` where a bare word is taken as a string), merged into the
+raw tables before validation, and so go through exactly the same checks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import json
+import math
+import sys
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+from xformer.errors import RecipeError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+# One Literal per variant axis; each has a dict of implementations next to its modules
+# (POSITIONAL in model/positional.py, NORMS in model/norms.py, ...), and a test checks
+# that every word here has an entry there.
+Arch = Literal["seq2seq", "classifier"]
+Positional = Literal["sinusoidal", "learned"]
+NormPosition = Literal["post", "pre"]
+Norm = Literal["layernorm", "rmsnorm"]
+Activation = Literal["relu", "gelu"]
+AttentionBackend = Literal["sdpa", "explicit"]
+TieEmbeddings = Literal["none", "decoder", "all"]
+Pooling = Literal["cls", "mean"]
+Task = Literal["translation"]
+SpmModel = Literal["unigram", "bpe"]
+Optimizer = Literal["adam", "adamw"]
+Schedule = Literal["inverse_sqrt", "cosine", "constant"]
+Precision = Literal["auto", "fp32", "bf16", "fp16"]
+CheckpointChoice = Literal["best", "last", "averaged"]
+
+
+def only_when(controlling_field: str, *values: str) -> dict:
+    """Field metadata: the field belongs to a variant and may be set only when
+    `controlling_field` (in the same table) has one of `values`."""
+    return {"only_when": (controlling_field, values)}
+
+
+@dataclass
+class ModelConfig:
+    """[model]: the architecture. Defaults are Vaswani et al. 2017 base (arXiv:1706.03762)."""
+
+    arch: Arch = "seq2seq"
+    d_model: int = 512
+    n_heads: int = 8
+    # None means n_heads (MHA); 1 is MQA (arXiv:1911.02150); in between is GQA (arXiv:2305.13245).
+    n_kv_heads: int | None = None
+    d_ff: int = 2048
+    n_encoder_layers: int = 6
+    n_decoder_layers: int = field(default=6, metadata=only_when("arch", "seq2seq"))
+    dropout: float = 0.1
+    attention_dropout: float = 0.0
+    activation_dropout: float = 0.0
+    positional: Positional = "sinusoidal"
+    max_positions: int = 1024
+    norm_position: NormPosition = "post"
+    norm: Norm = "layernorm"
+    norm_eps: float = 1e-5
+    activation: Activation = "relu"
+    attention_backend: AttentionBackend = "sdpa"
+    scale_embeddings: bool = True
+    tie_embeddings: TieEmbeddings = field(default="decoder", metadata=only_when("arch", "seq2seq"))
+    pooling: Pooling = field(default="cls", metadata=only_when("arch", "classifier"))
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
+
+    def problems(self) -> list[str]:
+        out = _positive(self, "d_model", "n_heads", "d_ff", "n_encoder_layers", "max_positions")
+        if self.arch == "seq2seq":
+            out += _positive(self, "n_decoder_layers")
+        if self.n_kv_heads is not None and self.n_kv_heads <= 0:
+            out.append(f"model.n_kv_heads: expected a positive integer, found {self.n_kv_heads}")
+        out += _probability(self, "dropout", "attention_dropout", "activation_dropout")
+        if self.norm_eps <= 0:
+            out.append(f"model.norm_eps: expected a positive number, found {self.norm_eps}")
+        if self.n_heads > 0 and self.d_model % self.n_heads:
+            out.append(
+                f"model.d_model: expected a multiple of model.n_heads = {self.n_heads}, "
+                f"found {self.d_model}"
+            )
+        if self.n_heads > 0 and self.kv_heads > 0 and self.n_heads % self.kv_heads:
+            out.append(
+                f"model.n_kv_heads: expected a divisor of model.n_heads = {self.n_heads}, "
+                f"found {self.kv_heads}"
+            )
+        if self.positional == "sinusoidal" and self.n_heads > 0 and self.d_model % 2:
+            out.append(
+                f"model.d_model: sinusoidal positions need an even d_model, found {self.d_model}"
+            )
+        return out
+
+
+@dataclass
+class DataConfig:
+    """[data]: where the corpus comes from, how it is tokenized and batched."""
+
+    task: Task = "translation"
+    # A Hub id ("bentrevett/multi30k") or a local folder or file (JSONL, TSV, parallel text).
+    dataset: str = "bentrevett/multi30k"
+    source_lang: str = field(default="de", metadata=only_when("task", "translation"))
+    target_lang: str = field(default="en", metadata=only_when("task", "translation"))
+    train_split: str = "train"
+    valid_split: str = "validation"
+    test_split: str = "test"
+    tokenizer: SpmModel = "unigram"  # sentencepiece model type
+    vocab_size: int = 8000
+    joint_vocab: bool = True  # one vocabulary for both languages
+    character_coverage: float = 1.0
+    byte_fallback: bool = False
+    max_len: int = 256  # training pairs longer than this (in tokens, either side) are dropped
+    max_tokens: int = 4096  # padded tokens per batch, source or target side, whichever is larger
+
+    def problems(self) -> list[str]:
+        out = _positive(self, "vocab_size", "max_len", "max_tokens")
+        if not 0 < self.character_coverage <= 1:
+            out.append(
+                "data.character_coverage: expected a number in (0, 1], "
+                f"found {self.character_coverage}"
+            )
+        if self.task == "translation" and self.source_lang == self.target_lang:
+            out.append(
+                "data.target_lang: expected a language other than data.source_lang, "
+                f"found {self.target_lang!r} for both"
+            )
+        return out
+
+
+@dataclass
+class TrainConfig:
+    """[train]: optimisation, schedule and stopping rules."""
+
+    seed: int = 1
+    optimizer: Optimizer = "adamw"
+    lr: float = 5e-4
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.98])
+    adam_eps: float = 1e-8
+    weight_decay: float = 0.0
+    schedule: Schedule = "inverse_sqrt"
+    warmup_steps: int = 4000
+    label_smoothing: float = 0.1
+    clip_norm: float = 0.0  # 0 disables gradient clipping
+    accumulate_steps: int = 1  # gradient accumulation: batches per optimizer step
+    max_steps: int = 0  # 0: no step limit
+    max_epochs: int = 0  # 0: no epoch limit
+    max_time: float = 0.0  # minutes of training; 0: no time limit
+    valid_every: int = 1000  # optimizer steps between validations
+    patience: int = 0  # validations without improvement before stopping; 0 disables
+    average_last: int = 5  # checkpoints averaged into the "averaged" model
+    precision: Precision = "auto"  # auto: bf16 (or fp16) on CUDA, fp32 on CPU
+    log_every: int = 50
+
+    def problems(self) -> list[str]:
+        out = _positive(self, "lr", "adam_eps", "accumulate_steps", "valid_every", "log_every")
+        out += _non_negative(
+            self, "weight_decay", "warmup_steps", "clip_norm", "max_steps", "max_epochs",
+            "max_time", "patience", "average_last",
+        )
+        out += _probability(self, "label_smoothing")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            out.append(f"train.betas: expected two numbers in [0, 1), found {self.betas}")
+        if self.max_steps == 0 and self.max_epochs == 0 and self.max_time == 0:
+            out.append(
+                "train.max_steps: expected at least one of train.max_steps, train.max_epochs, "
+                "train.max_time to be positive, found all three 0"
+            )
+        return out
+
+
+@dataclass
+class EvalConfig:
+    """[eval]: decoding and scoring."""
+
+    beam: int = 5
+    lenpen: float = 1.0  # length penalty: scores are divided by length ** lenpen
+    max_len_a: float = 1.2  # hypotheses stop at max_len_a * source length + max_len_b
+    max_len_b: int = 10
+    checkpoint: CheckpointChoice = "best"
+    batch_sentences: int = 128
+
+    def problems(self) -> list[str]:
+        return _positive(self, "beam", "batch_sentences") + _non_negative(
+            self, "lenpen", "max_len_a", "max_len_b"
+        )
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "train": TrainConfig,
+    "eval": EvalConfig,
+}
+
+
+@dataclass
+class Recipe:
+    """A whole recipe: the four tables."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+
+    def problems(self) -> list[str]:
+        out = self.model.problems() + self.data.problems()
+        out += self.train.problems() + self.eval.problems()
+        return out + self.cross_section_problems()
+
+    def cross_section_problems(self) -> list[str]:
+        out = []
+        if self.model.arch == "seq2seq" and self.model.tie_embeddings == "all" and not self.data.joint_vocab:
+            out.append(
+                "model.tie_embeddings: 'all' shares one embedding between both languages and "
+                "needs data.joint_vocab = true, found false"
+            )
+        if self.model.arch != "seq2seq" and self.data.task == "translation":
+            out.append(
+                f"model.arch: data.task = 'translation' needs 'seq2seq', found {self.model.arch!r}"
+            )
+        return out
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        """Stored fields only (no properties), leaving out fields of switched-off variants."""
+        return {name: _section_to_dict(getattr(self, name)) for name in SECTIONS}
+
+    def to_toml(self) -> str:
+        lines: list[str] = []
+        for section, values in self.to_dict().items():
+            lines.append(f"[{section}]")
+            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+            lines.append("")
+        return "\n".join(lines)
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(self.to_toml(), encoding="utf-8")
+
+
+def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """Read a TOML recipe, apply `--set` overrides, validate; raise RecipeError listing
+    every problem found."""
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such recipe file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read the recipe ({exc})") from None
+    try:
+        raw = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+    return recipe_from_dict(raw, overrides or [], source=str(path))
+
+
+def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe") -> Recipe:
+    """Validate plain tables (as tomllib returns them) plus overrides into a Recipe."""
+    problems: list[str] = []
+    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    overridden = _apply_overrides(raw, overrides, problems)
+    sections: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in SECTIONS:
+            problems.append(f"{name}: unknown table{_did_you_mean(name, SECTIONS)}")
+        elif not isinstance(value, dict):
+            problems.append(f"{name}: expected a table [{name}], found {_describe(value)}")
+    typed = True
+    for name, cls in SECTIONS.items():
+        table = raw.get(name, {})
+        sections[name], values_ok = _section_from_dict(
+            cls, name, table if isinstance(table, dict) else {}, problems
+        )
+        if values_ok:  # range and cross-field rules only make sense once every value has its type
+            problems += sections[name].problems()
+        typed = typed and values_ok
+    recipe = Recipe(**sections)
+    if typed:
+        problems += recipe.cross_section_problems()
+    if problems:
+        raise RecipeError([_locate(p, source, overridden) for p in problems])
+    return recipe
+
+
+def parse_override(item: str) -> tuple[str, str, Any]:
+    """'train.lr=3e-4' -> ('train', 'lr', 0.0003). The value is parsed as TOML; a value that
+    is not TOML (a bare word like `learned`) is taken as a string."""
+    key, sep, text = item.partition("=")
+    section, dot, name = key.strip().partition(".")
+    if not sep or not dot or not section or not name or "." in name:
+        raise RecipeError(f"--set {item}: expected section.key=value, e.g. train.lr=3e-4")
+    try:
+        value = tomllib.loads(f"v = {text.strip()}")["v"]
+    except tomllib.TOMLDecodeError:
+        value = text.strip()
+    return section, name, value
+
+
+def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> set[str]:
+    touched = set()
+    for item in overrides:
+        try:
+            section, name, value = parse_override(item)
+        except RecipeError as exc:
+            problems += exc.problems
+            continue
+        table = raw.setdefault(section, {})
+        if isinstance(table, dict):
+            table[name] = value
+            touched.add(f"{section}.{name}")
+    return touched
+
+
+def _section_from_dict(cls: type, section: str, table: dict, problems: list[str]) -> tuple[Any, bool]:
+    """The dataclass instance (bad values left at their defaults) and whether every value
+    had the right type."""
+    hints = typing.get_type_hints(cls)
+    known = {f.name: f for f in dataclasses.fields(cls)}
+    values, typed = {}, True
+    for key, value in table.items():
+        if key not in known:
+            problems.append(f"{section}.{key}: unknown key{_did_you_mean(key, known)}")
+            continue
+        error = _type_problem(hints[key], value)
+        if error:
+            problems.append(f"{section}.{key}: {error}")
+            typed = False
+        else:
+            values[key] = float(value) if hints[key] is float else value
+    instance = cls(**values)
+    for key in values:
+        rule = known[key].metadata.get("only_when")
+        if rule and getattr(instance, rule[0]) not in rule[1]:
+            allowed = " or ".join(repr(v) for v in rule[1])
+            problems.append(
+                f"{section}.{key}: applies only when {section}.{rule[0]} = {allowed}, "
+                f"found {section}.{rule[0]} = {getattr(instance, rule[0])!r}; remove it"
+            )
+    return instance, typed
+
+
+def _section_to_dict(instance) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(instance):
+        rule = f.metadata.get("only_when")
+        if rule and getattr(instance, rule[0]) not in rule[1]:
+            continue
+        value = getattr(instance, f.name)
+        if value is not None:  # TOML has no null; None fields are the default
+            out[f.name] = list(value) if isinstance(value, list) else value
+    return out
+
+
+def _type_problem(hint, value) -> str | None:
+    """None when `value` fits the annotation `hint`, else 'expected ..., found ...'."""
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # `X | None`: TOML cannot say None
+        hint = next(a for a in typing.get_args(hint) if a is not type(None))
+        origin = typing.get_origin(hint)
+    if origin is Literal:
+        choices = typing.get_args(hint)
+        if value in choices and isinstance(value, str):
+            return None
+        listed = ", ".join(repr(c) for c in choices)
+        hint_text = _did_you_mean(value, choices) if isinstance(value, str) else ""
+        return f"expected one of {listed}, found {_describe(value)}{hint_text}"
+    if origin is list:
+        (item,) = typing.get_args(hint)
+        if not isinstance(value, list) or any(_type_problem(item, v) for v in value):
+            return f"expected a list of {_TYPE_NAMES[item]}s, found {_describe(value)}"
+        return None
+    ok = {
+        bool: isinstance(value, bool),
+        int: isinstance(value, int) and not isinstance(value, bool),
+        float: isinstance(value, (int, float)) and not isinstance(value, bool),
+        str: isinstance(value, str),
+    }[hint]
+    if ok and hint is float and not math.isfinite(value):
+        return f"expected a finite number, found {value}"
+    return None if ok else f"expected {_TYPE_NAMES[hint]}, found {_describe(value)}"
+
+
+_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
+
+
+def _describe(value) -> str:
+    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
+            dict: "table"}.get(type(value), type(value).__name__)
+    return f"{json.dumps(value, default=str)} ({kind})"
+
+
+def _did_you_mean(word: str, candidates) -> str:
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _locate(problem: str, source: str, overridden: set[str]) -> str:
+    if problem.startswith("--set"):
+        return problem
+    key = problem.split(":", 1)[0]
+    return f"--set {problem}" if key in overridden else f"{source}: {problem}"
+
+
+def _toml_value(value) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        return json.dumps(value)  # a JSON string is a valid TOML basic string
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return repr(value)
+
+
+def _positive(cfg, *names: str) -> list[str]:
+    section = _section_name(cfg)
+    return [
+        f"{section}.{n}: expected a positive number, found {getattr(cfg, n)}"
+        for n in names
+        if getattr(cfg, n) <= 0
+    ]
+
+
+def _non_negative(cfg, *names: str) -> list[str]:
+    section = _section_name(cfg)
+    return [
+        f"{section}.{n}: expected a number >= 0, found {getattr(cfg, n)}"
+        for n in names
+        if getattr(cfg, n) < 0
+    ]
+
+
+def _probability(cfg, *names: str) -> list[str]:
+    section = _section_name(cfg)
+    return [
+        f"{section}.{n}: expected a number in [0, 1), found {getattr(cfg, n)}"
+        for n in names
+        if not 0 <= getattr(cfg, n) < 1
+    ]
+
+
+def _section_name(cfg) -> str:
+    return next(name for name, cls in SECTIONS.items() if isinstance(cfg, cls))

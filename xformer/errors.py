@@ -1,0 +1,20 @@
+"""Errors a user can fix: bad recipes, bad data, runs that would be overwritten.
+
+Anything raised as an `XformerError` is the user's to fix, so the CLI prints its lines
+(one per problem, each naming the file, field or line) and exits with code 2, without a
+traceback. Every other exception is a bug in xformer.
+"""
+
+
+class XformerError(Exception):
+    """A problem with the user's input; `problems` holds one self-contained line each."""
+
+    exit_code = 2
+
+    def __init__(self, problems: str | list[str]):
+        self.problems = [problems] if isinstance(problems, str) else list(problems)
+        super().__init__("\n".join(self.problems))
+
+
+class RecipeError(XformerError):
+    """A recipe (TOML file plus --set overrides) that does not validate."""

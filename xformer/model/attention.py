@@ -1,0 +1,147 @@
+r"""Multi-head attention with grouped key/value heads, masks, cross-attention and a KV cache.
+
+    MHA  (n_kv_heads = H)      GQA  (1 < n_kv_heads < H)   MQA  (n_kv_heads = 1)
+    q: h1 h2 h3 h4             q: h1 h2 h3 h4              q: h1 h2 h3 h4
+       |  |  |  |                 \  /   \  /                  \  \  /  /
+    kv: k1 k2 k3 k4            kv:  k1     k2              kv:     k1
+
+Query head h reads key/value head h // (H / K), so H = K is ordinary multi-head attention
+(Vaswani et al. 2017, arXiv:1706.03762), K = 1 is multi-query attention (Shazeer 2019,
+arXiv:1911.02150) and anything between is grouped-query attention (Ainslie et al. 2023,
+arXiv:2305.13245).
+
+Two paths compute the same thing and are tested to agree: `explicit_attention`, written
+out so it can return the probabilities (head inspection needs them), and PyTorch's fused
+`scaled_dot_product_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+
+def explicit_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
+    dropout: float = 0.0, training: bool = False,
+) -> tuple[Tensor, Tensor]:
+    """softmax(q k^T / sqrt(Dh) + mask) v, and the probabilities.
+
+    q: (B, H, T, Dh); k, v: (B, K, S, Dh) with H a multiple of K; mask: boolean, True where
+    attendable, broadcastable to (B, H, T, S). Returns (B, H, T, Dh) and (B, H, T, S).
+    The grouped matmul never copies k and v to H heads.
+    """
+    b, h, t, dh = q.shape
+    kv, s = k.size(1), k.size(2)
+    qg = q.reshape(b, kv, h // kv, t, dh)  # (B, K, G, T, Dh)
+    scores = qg @ k[:, :, None].transpose(-1, -2) / math.sqrt(dh)  # (B, K, G, T, S)
+    scores = scores.view(b, h, t, s)
+    if is_causal:
+        scores = scores.masked_fill(~torch.ones(t, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    probs = scores.softmax(dim=-1)
+    dropped = F.dropout(probs, dropout, training) if dropout > 0 else probs
+    out = dropped.view(b, kv, h // kv, t, s) @ v[:, :, None]  # (B, K, G, T, Dh)
+    return out.view(b, h, t, dh), probs
+
+
+def sdpa_attention(
+    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
+    dropout: float = 0.0, training: bool = False,
+) -> Tensor:
+    """The same as `explicit_attention` through `F.scaled_dot_product_attention`
+    (flash / memory-efficient kernels where the inputs allow)."""
+    h, kv = q.size(1), k.size(1)
+    if kv != h:  # (B, K, S, Dh) -> (B, H, S, Dh): a copy, as SDPA's enable_gqa needs torch >= 2.5
+        b, _, s, dh = k.shape
+        k = k[:, :, None].expand(b, kv, h // kv, s, dh).reshape(b, h, s, dh)
+        v = v[:, :, None].expand(b, kv, h // kv, s, dh).reshape(b, h, s, dh)
+    return F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, dropout_p=dropout if training else 0.0, is_causal=is_causal
+    )
+
+
+class KVCache:
+    """Keys and values of one attention module during incremental decoding.
+
+    Self-attention appends one step at a time; cross-attention fills it once from the
+    encoder output and reuses it. `reorder` follows beams as beam search reorders them.
+    """
+
+    def __init__(self):
+        self.k: Tensor | None = None  # (B, K, S, Dh)
+        self.v: Tensor | None = None
+
+    @property
+    def length(self) -> int:
+        return 0 if self.k is None else self.k.size(2)
+
+    def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        if self.k is None:
+            self.k, self.v = k, v
+        else:
+            self.k = torch.cat([self.k, k], dim=2)
+            self.v = torch.cat([self.v, v], dim=2)
+        return self.k, self.v
+
+    def reorder(self, index: Tensor) -> None:
+        if self.k is not None:
+            self.k = self.k.index_select(0, index)
+            self.v = self.v.index_select(0, index)
+
+
+class MultiHeadAttention(nn.Module):
+    """Multi-head attention with n_kv_heads key/value heads (MHA / GQA / MQA, see module doc).
+
+    Self-attention when `memory` is None, cross-attention over `memory` otherwise.
+    """
+
+    def __init__(
+        self, d_model: int, n_heads: int, n_kv_heads: int | None = None, dropout: float = 0.0,
+        backend: str = "sdpa", bias: bool = True,
+    ):
+        super().__init__()
+        self.n_heads = n_heads
+        self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
+        if d_model % n_heads or n_heads % self.n_kv_heads:
+            raise ValueError(f"need d_model % n_heads == 0 and n_heads % n_kv_heads == 0, got "
+                             f"{d_model=}, {n_heads=}, n_kv_heads={self.n_kv_heads}")
+        self.head_dim = d_model // n_heads
+        self.dropout = dropout
+        self.backend = backend
+        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
+        self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
+        self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
+        self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+
+    def forward(
+        self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
+        is_causal: bool = False, cache: KVCache | None = None, need_weights: bool = False,
+    ) -> tuple[Tensor, Tensor | None]:
+        """x: (B, T, D); memory: (B, S, D) or None; mask: boolean, True where attendable,
+        broadcastable to (B, H, T, S); is_causal: lower-triangular mask with T == S.
+
+        Returns (B, T, D) and, with need_weights (explicit path), probabilities (B, H, T, S).
+        """
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        if memory is not None and cache is not None and cache.k is not None:
+            k, v = cache.k, cache.v  # cross-attention: encoder keys computed at the first step
+        else:
+            source = x if memory is None else memory
+            s = source.size(1)
+            k = self.k_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, Dh)
+            v = self.v_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            if cache is not None:
+                k, v = cache.append(k, v)
+        probs = None
+        if need_weights or self.backend == "explicit":
+            out, probs = explicit_attention(q, k, v, mask, is_causal, self.dropout, self.training)
+        else:
+            out = sdpa_attention(q, k, v, mask, is_causal, self.dropout, self.training)
+        out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*Dh)
+        return self.out_proj(out), probs if need_weights else None

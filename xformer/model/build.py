@@ -1,0 +1,136 @@
+"""build_model: the one bridge from a ModelConfig to modules, and parameter counting."""
+
+from __future__ import annotations
+
+import math
+
+from torch import nn
+
+from xformer.config import ModelConfig, Recipe
+from xformer.model.attention import MultiHeadAttention
+from xformer.model.feedforward import FeedForward
+from xformer.model.norms import NORMS
+from xformer.model.positional import POSITIONAL
+from xformer.model.transformer import (
+    Classifier,
+    Decoder,
+    DecoderLayer,
+    Embedder,
+    Encoder,
+    EncoderLayer,
+    Seq2Seq,
+)
+
+
+def build_model(
+    cfg: ModelConfig, vocab_size: int, *, tgt_vocab_size: int | None = None,
+    n_classes: int | None = None, pad_id: int = 0, init: bool = True,
+) -> Seq2Seq | Classifier:
+    """A Seq2Seq (`cfg.arch == "seq2seq"`; `vocab_size` is the source vocabulary and
+    `tgt_vocab_size` the target one, the same when omitted) or a Classifier over
+    `n_classes` classes. `init=False` skips the fairseq initialisation (the weights are
+    about to be loaded anyway)."""
+    layer_args = dict(
+        n_kv_heads=cfg.n_kv_heads, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
+        activation_dropout=cfg.activation_dropout, activation=cfg.activation, norm=cfg.norm,
+        norm_eps=cfg.norm_eps, norm_position=cfg.norm_position, backend=cfg.attention_backend,
+    )
+
+    def final_norm():
+        return NORMS[cfg.norm](cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else None
+
+    def embedder(embedding):
+        positional = POSITIONAL[cfg.positional](cfg.d_model, cfg.max_positions)
+        return Embedder(embedding, positional, cfg.max_positions, cfg.dropout, cfg.scale_embeddings)
+
+    src_embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
+    encoder_layers = [EncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
+                      for _ in range(cfg.n_encoder_layers)]
+    encoder = Encoder(embedder(src_embedding), encoder_layers, final_norm())
+
+    if cfg.arch == "classifier":
+        if n_classes is None:
+            raise ValueError("a classifier needs n_classes")
+        model = Classifier(encoder, n_classes, cfg.pooling, pad_id, cfg.dropout)
+    else:
+        tgt_vocab_size = vocab_size if tgt_vocab_size is None else tgt_vocab_size
+        if cfg.tie_embeddings == "all":
+            if tgt_vocab_size != vocab_size:
+                raise ValueError("tie_embeddings = 'all' needs one joint vocabulary")
+            tgt_embedding = src_embedding
+        else:
+            tgt_embedding = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=pad_id)
+        decoder_layers = [DecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
+                          for _ in range(cfg.n_decoder_layers)]
+        decoder = Decoder(embedder(tgt_embedding), decoder_layers, final_norm())
+        output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
+        if cfg.tie_embeddings != "none":
+            output.weight = tgt_embedding.weight  # Press & Wolf 2017, arXiv:1608.05859
+        model = Seq2Seq(encoder, decoder, output, pad_id)
+    if init:
+        init_fairseq_(model, cfg.d_model)
+    return model
+
+
+def init_fairseq_(model: nn.Module, d_model: int) -> None:
+    """fairseq's Transformer initialisation (fairseq/models/transformer):
+
+    - token embeddings and an untied output projection ~ N(0, D^-1/2), padding row zero
+      (the sqrt(D) embedding scale then brings embeddings to unit variance);
+    - attention q/k/v projections Xavier-uniform with gain 1/sqrt(2) (fairseq does this when
+      q, k and v have the same size, equivalent to Xavier on the packed in-projection), the
+      attention output projection and both FFN linears Xavier-uniform; every bias zero;
+    - norms at weight 1, bias 0 (their default).
+    """
+    for module in model.modules():
+        if isinstance(module, MultiHeadAttention):
+            for proj in (module.q_proj, module.k_proj, module.v_proj):
+                nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
+            nn.init.xavier_uniform_(module.out_proj.weight)
+            for proj in (module.q_proj, module.k_proj, module.v_proj, module.out_proj):
+                if proj.bias is not None:
+                    nn.init.zeros_(proj.bias)
+        elif isinstance(module, FeedForward):
+            for fc in (module.fc1, module.fc2):
+                nn.init.xavier_uniform_(fc.weight)
+                nn.init.zeros_(fc.bias)
+        elif isinstance(module, Embedder):
+            nn.init.normal_(module.embedding.weight, mean=0.0, std=d_model**-0.5)
+            if module.embedding.padding_idx is not None:
+                nn.init.zeros_(module.embedding.weight[module.embedding.padding_idx])
+    if isinstance(model, Seq2Seq) and model.output.weight is not model.decoder.embed.embedding.weight:
+        nn.init.normal_(model.output.weight, mean=0.0, std=d_model**-0.5)
+    if isinstance(model, Classifier):
+        nn.init.xavier_uniform_(model.head.weight)
+        nn.init.zeros_(model.head.bias)
+        if model.cls is not None:
+            nn.init.normal_(model.cls, mean=0.0, std=d_model**-0.5)
+
+
+def count_parameters(model: nn.Module) -> dict[str, int]:
+    """Parameter counts, each shared tensor once: `total`, `embedding` (token embeddings,
+    an untied output projection and learned position tables, i.e. what Kaplan et al. 2020,
+    arXiv:2001.08361, leave out of N) and `non_embedding` (the rest)."""
+    embedding_ids = set()
+    for module in model.modules():
+        if isinstance(module, nn.Embedding):
+            embedding_ids.add(id(module.weight))
+    if isinstance(model, Seq2Seq):
+        embedding_ids.add(id(model.output.weight))
+    seen, total, embedding = set(), 0, 0
+    for p in model.parameters():  # parameters() already yields a shared tensor once
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        total += p.numel()
+        if id(p) in embedding_ids:
+            embedding += p.numel()
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
+
+
+def build_for_recipe(recipe: Recipe, *, init: bool = True) -> Seq2Seq | Classifier:
+    """The model a recipe describes, sized from its [data] table (vocabulary size; one
+    vocabulary per language unless `data.joint_vocab`, each of `data.vocab_size`).
+
+    Build it under `torch.device("meta")` to count parameters without allocating them."""
+    return build_model(recipe.model, recipe.data.vocab_size, tgt_vocab_size=recipe.data.vocab_size, init=init)

@@ -1,0 +1,48 @@
+"""Absolute position encodings, one entry per `model.positional` value.
+
+Each module maps (B, T, D) embeddings to (B, T, D), adding the encoding of positions
+`offset .. offset + T - 1` (offset > 0 when decoding with a KV cache).
+"""
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+
+class SinusoidalPositional(nn.Module):
+    """Fixed sinusoids of Vaswani et al. 2017 (arXiv:1706.03762), section 3.5:
+    PE[p, 2i] = sin(p / 10000^(2i/D)), PE[p, 2i+1] = cos(p / 10000^(2i/D)), p from 0.
+
+    (fairseq instead concatenates the sin and cos halves and starts at padding_idx + 1;
+    the two are equivalent up to a permutation of features and a shift of positions.)
+    """
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        position = torch.arange(max_positions, dtype=torch.float32)[:, None]
+        inv_freq = torch.exp(torch.arange(0, d_model, 2, dtype=torch.float32) * (-math.log(10000.0) / d_model))
+        table = torch.zeros(max_positions, d_model)
+        table[:, 0::2] = torch.sin(position * inv_freq)
+        table[:, 1::2] = torch.cos(position * inv_freq)
+        # Not saved in checkpoints: it is a function of the config.
+        self.register_buffer("table", table, persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return x + self.table[offset : offset + x.size(1)].to(x.dtype)
+
+
+class LearnedPositional(nn.Module):
+    """A learned embedding per position (Gehring et al. 2017, arXiv:1705.03122; BERT)."""
+
+    def __init__(self, d_model: int, max_positions: int):
+        super().__init__()
+        self.embedding = nn.Embedding(max_positions, d_model)
+        nn.init.normal_(self.embedding.weight, mean=0.0, std=d_model**-0.5)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        positions = torch.arange(offset, offset + x.size(1), device=x.device)
+        return x + self.embedding(positions)
+
+
+POSITIONAL = {"sinusoidal": SinusoidalPositional, "learned": LearnedPositional}

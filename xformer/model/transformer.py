@@ -1,0 +1,250 @@
+"""Transformer blocks and the two models built from them: an encoder-decoder (Seq2Seq) for
+translation and an encoder Classifier. Vaswani et al. 2017, arXiv:1706.03762.
+
+    Post-LN (Vaswani et al., fairseq default)     Pre-LN (Xiong et al. 2020, arXiv:2002.04745)
+      x -> attn -> + -> norm -> ffn -> + -> norm    x -> norm -> attn -> + -> norm -> ffn -> +
+      '------------'    '------------'              '--------------------'  '-------------------'
+                                                    ... and one final norm after the last layer
+
+Modules take plain arguments; `build.build_model` is the one place that reads a config.
+Shapes: B batch, S source length, T target length, D d_model, V vocabulary, C classes.
+Padding masks are (B, S) booleans, True at padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import Tensor, nn
+
+from xformer.model.attention import KVCache, MultiHeadAttention
+from xformer.model.feedforward import FeedForward
+from xformer.model.masks import causal_mask, padding_mask
+from xformer.model.norms import NORMS
+
+
+class EncoderLayer(nn.Module):
+    """Self-attention then feed-forward, each in a residual branch."""
+
+    def __init__(
+        self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
+        dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
+        activation: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
+        norm_position: str = "post", backend: str = "sdpa",
+    ):
+        super().__init__()
+        self.norm_position = norm_position
+        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend)
+        self.self_attn_norm = NORMS[norm](d_model, norm_eps)
+        self.ffn = FeedForward(d_model, d_ff, activation, activation_dropout)
+        self.ffn_norm = NORMS[norm](d_model, norm_eps)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # x: (B, S, D)
+        if self.norm_position == "pre":
+            x = x + self.drop(self.self_attn(self.self_attn_norm(x), mask=mask)[0])
+            x = x + self.drop(self.ffn(self.ffn_norm(x)))
+        else:  # post-LN, Vaswani et al. 2017
+            x = self.self_attn_norm(x + self.drop(self.self_attn(x, mask=mask)[0]))
+            x = self.ffn_norm(x + self.drop(self.ffn(x)))
+        return x
+
+
+class DecoderLayer(nn.Module):
+    """Causal self-attention, cross-attention over the encoder output, feed-forward."""
+
+    def __init__(
+        self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
+        dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
+        activation: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
+        norm_position: str = "post", backend: str = "sdpa",
+    ):
+        super().__init__()
+        self.norm_position = norm_position
+        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend)
+        self.self_attn_norm = NORMS[norm](d_model, norm_eps)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend)
+        self.cross_attn_norm = NORMS[norm](d_model, norm_eps)
+        self.ffn = FeedForward(d_model, d_ff, activation, activation_dropout)
+        self.ffn_norm = NORMS[norm](d_model, norm_eps)
+        self.drop = nn.Dropout(dropout)
+
+    def forward(
+        self, x: Tensor, memory: Tensor, self_mask: Tensor | None, is_causal: bool,
+        memory_mask: Tensor | None, cache: tuple[KVCache, KVCache] | None = None,
+    ) -> Tensor:  # x: (B, T, D), memory: (B, S, D)
+        self_cache, cross_cache = cache if cache is not None else (None, None)
+
+        def self_attn(h):
+            return self.self_attn(h, mask=self_mask, is_causal=is_causal, cache=self_cache)[0]
+
+        def cross_attn(h):
+            return self.cross_attn(h, memory, mask=memory_mask, cache=cross_cache)[0]
+
+        if self.norm_position == "pre":
+            x = x + self.drop(self_attn(self.self_attn_norm(x)))
+            x = x + self.drop(cross_attn(self.cross_attn_norm(x)))
+            x = x + self.drop(self.ffn(self.ffn_norm(x)))
+        else:  # post-LN, Vaswani et al. 2017
+            x = self.self_attn_norm(x + self.drop(self_attn(x)))
+            x = self.cross_attn_norm(x + self.drop(cross_attn(x)))
+            x = self.ffn_norm(x + self.drop(self.ffn(x)))
+        return x
+
+
+class Embedder(nn.Module):
+    """Token embedding * sqrt(D) (Vaswani et al. 2017, section 3.4) + positions, then dropout.
+
+    The sqrt(D) scale matters with fairseq's init, where embeddings are N(0, D^-1/2): it
+    brings them to unit scale, the same as the sinusoids they are added to.
+    """
+
+    def __init__(self, embedding: nn.Embedding, positional: nn.Module, max_positions: int,
+                 dropout: float = 0.0, scale: bool = True):
+        super().__init__()
+        self.embedding = embedding  # may be shared with another Embedder or the output layer
+        self.positional = positional
+        self.max_positions = max_positions
+        self.scale = math.sqrt(embedding.embedding_dim) if scale else 1.0
+        self.drop = nn.Dropout(dropout)
+
+    def forward(self, tokens: Tensor, offset: int = 0, prefix: Tensor | None = None) -> Tensor:
+        """tokens: (B, T) -> (B, T, D), or (B, P + T, D) after `prefix` vectors (1, P, D)."""
+        x = self.embedding(tokens) * self.scale
+        if prefix is not None:
+            x = torch.cat([prefix.expand(x.size(0), -1, -1), x], dim=1)
+        if offset + x.size(1) > self.max_positions:
+            raise ValueError(f"a sequence of {offset + x.size(1)} positions is longer than "
+                             f"model.max_positions = {self.max_positions}")
+        return self.drop(self.positional(x, offset))
+
+
+class Encoder(nn.Module):
+    """Embedder, a stack of EncoderLayers, and a final norm for Pre-LN."""
+
+    def __init__(self, embed: Embedder, layers: list[EncoderLayer], final_norm: nn.Module | None = None):
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = final_norm if final_norm is not None else nn.Identity()
+
+    def forward(self, tokens: Tensor, pad: Tensor, prefix: Tensor | None = None) -> Tensor:
+        """tokens, pad: (B, S) -> (B, S, D) (or (B, P + S, D) with a prefix; `pad` then
+        covers the prefix too)."""
+        x = self.embed(tokens, prefix=prefix)
+        mask = padding_mask(pad)  # (B, 1, 1, S), computed once for every layer
+        for layer in self.layers:
+            x = layer(x, mask)
+        return self.final_norm(x)
+
+
+class DecoderCache:
+    """Per-layer (self, cross) KV caches of a Decoder, for incremental decoding."""
+
+    def __init__(self, n_layers: int):
+        self.layers = [(KVCache(), KVCache()) for _ in range(n_layers)]
+
+    @property
+    def length(self) -> int:
+        """Target positions decoded so far."""
+        return self.layers[0][0].length
+
+    def reorder(self, index: Tensor) -> None:
+        """Keep batch rows `index` (B',), as beam search does after each step."""
+        for self_cache, cross_cache in self.layers:
+            self_cache.reorder(index)
+            cross_cache.reorder(index)
+
+
+class Decoder(nn.Module):
+    """Embedder, a stack of DecoderLayers, and a final norm for Pre-LN."""
+
+    def __init__(self, embed: Embedder, layers: list[DecoderLayer], final_norm: nn.Module | None = None):
+        super().__init__()
+        self.embed = embed
+        self.layers = nn.ModuleList(layers)
+        self.final_norm = final_norm if final_norm is not None else nn.Identity()
+
+    def forward(self, tokens: Tensor, memory: Tensor, memory_pad: Tensor,
+                cache: DecoderCache | None = None) -> Tensor:
+        """tokens: (B, T) target prefix (only the new positions when `cache` holds earlier
+        ones); memory: (B, S, D); memory_pad: (B, S). Returns (B, T, D).
+
+        Target padding needs no mask: with right padding and a causal mask no real position
+        ever sees a pad position.
+        """
+        past = 0 if cache is None else cache.length
+        t = tokens.size(1)
+        x = self.embed(tokens, offset=past)
+        if past == 0:
+            self_mask, is_causal = None, True
+        elif t == 1:
+            self_mask, is_causal = None, False  # one new token sees every cached one
+        else:
+            self_mask, is_causal = causal_mask(t, past + t, tokens.device), False
+        memory_mask = padding_mask(memory_pad)
+        for i, layer in enumerate(self.layers):
+            layer_cache = None if cache is None else cache.layers[i]
+            x = layer(x, memory, self_mask, is_causal, memory_mask, layer_cache)
+        return self.final_norm(x)
+
+
+class Seq2Seq(nn.Module):
+    """Encoder-decoder for translation: p(y_t | y_<t, x)."""
+
+    def __init__(self, encoder: Encoder, decoder: Decoder, output: nn.Linear, pad_id: int):
+        super().__init__()
+        self.encoder = encoder
+        self.decoder = decoder
+        self.output = output  # (V, D) weight, possibly the decoder embedding's
+        self.pad_id = pad_id
+
+    def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
+        """src: (B, S) token ids -> memory (B, S, D) and its padding mask (B, S)."""
+        pad = src.eq(self.pad_id)
+        return self.encoder(src, pad), pad
+
+    def decode(self, tgt: Tensor, memory: Tensor, memory_pad: Tensor,
+               cache: DecoderCache | None = None) -> Tensor:
+        """tgt: (B, T) -> logits (B, T, V)."""
+        return self.output(self.decoder(tgt, memory, memory_pad, cache))
+
+    def new_cache(self) -> DecoderCache:
+        return DecoderCache(len(self.decoder.layers))
+
+    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
+        """src: (B, S), tgt: (B, T) decoder input (BOS + target[:-1]) -> logits (B, T, V)."""
+        memory, memory_pad = self.encode(src)
+        return self.decode(tgt, memory, memory_pad)
+
+
+class Classifier(nn.Module):
+    """Encoder + pooling + linear head, for sequence classification.
+
+    pooling "cls": a learned vector is prepended to every sequence (BERT's [CLS], Devlin et
+    al. 2018, arXiv:1810.04805, without spending a vocabulary entry) and its final state is
+    classified; "mean": the mean of the final states of the non-pad positions.
+    """
+
+    def __init__(self, encoder: Encoder, n_classes: int, pooling: str, pad_id: int, dropout: float = 0.0):
+        super().__init__()
+        d_model = encoder.embed.embedding.embedding_dim
+        self.encoder = encoder
+        self.pooling = pooling
+        self.pad_id = pad_id
+        self.cls = nn.Parameter(torch.zeros(1, 1, d_model)) if pooling == "cls" else None
+        self.drop = nn.Dropout(dropout)
+        self.head = nn.Linear(d_model, n_classes)
+
+    def forward(self, tokens: Tensor) -> Tensor:
+        """tokens: (B, S) -> logits (B, C)."""
+        pad = tokens.eq(self.pad_id)
+        if self.pooling == "cls":
+            pad = torch.cat([pad.new_zeros(pad.size(0), 1), pad], dim=1)
+            pooled = self.encoder(tokens, pad, prefix=self.cls)[:, 0]  # (B, D)
+        else:  # mean over real positions
+            h = self.encoder(tokens, pad)  # (B, S, D)
+            keep = (~pad).unsqueeze(-1).to(h.dtype)
+            pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1.0)
+        return self.head(self.drop(pooled))
