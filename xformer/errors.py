@@ -18,3 +18,11 @@ class XformerError(Exception):
 
 class RecipeError(XformerError):
     """A recipe (TOML file plus --set overrides) that does not validate."""
+
+
+class DataError(XformerError):
+    """A corpus, file or field that cannot be read as the recipe says."""
+
+
+class RunError(XformerError):
+    """A run directory or checkpoint that is missing, incomplete, or would be overwritten."""

@@ -1,0 +1,1 @@
+"""Data: corpora through `datasets`, sentencepiece tokenizers, token-based batching."""
