@@ -5,6 +5,9 @@ from __future__ import annotations
 import typer
 from xformer_cli.check import check
 from xformer_cli.common import STATE
+from xformer_cli.evaluate import evaluate, translate
+from xformer_cli.tokenize import tokenize
+from xformer_cli.train import train
 
 import xformer
 
@@ -30,6 +33,13 @@ def main(
 ) -> None:
     """Train, evaluate and take apart Transformer models."""
     STATE["debug"] = debug
+    import datasets
+
+    datasets.disable_progress_bars()  # our own progress display reports the long steps
 
 
 app.command("check")(check)
+app.command("tokenize")(tokenize)
+app.command("train")(train)
+app.command("eval")(evaluate)
+app.command("translate")(translate)

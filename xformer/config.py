@@ -51,6 +51,7 @@ Optimizer = Literal["adam", "adamw"]
 Schedule = Literal["inverse_sqrt", "cosine", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 CheckpointChoice = Literal["best", "last", "averaged"]
+BestMetric = Literal["bleu", "loss"]
 
 
 def only_when(controlling_field: str, *values: str) -> dict:
@@ -174,6 +175,7 @@ class TrainConfig:
     max_time: float = 0.0  # minutes of training; 0: no time limit
     valid_every: int = 1000  # optimizer steps between validations
     patience: int = 0  # validations without improvement before stopping; 0 disables
+    best_metric: BestMetric = "bleu"  # validation BLEU (greedy) or loss picks the best checkpoint
     average_last: int = 5  # checkpoints averaged into the "averaged" model
     precision: Precision = "auto"  # auto: bf16 (or fp16) on CUDA, fp32 on CPU
     log_every: int = 50
@@ -192,6 +194,8 @@ class TrainConfig:
                 "train.max_steps: expected at least one of train.max_steps, train.max_epochs, "
                 "train.max_time to be positive, found all three 0"
             )
+        if self.schedule == "cosine" and self.max_steps == 0:
+            out.append("train.schedule: 'cosine' decays to 0 at train.max_steps, which must be positive, found 0")
         return out
 
 
@@ -466,3 +470,11 @@ def _probability(cfg, *names: str) -> list[str]:
 
 def _section_name(cfg) -> str:
     return next(name for name, cls in SECTIONS.items() if isinstance(cfg, cls))
+
+
+def load_run_recipe(run_dir: str | Path, overrides: list[str] | None = None) -> Recipe:
+    """The resolved recipe a run was trained with (RUN/recipe.toml)."""
+    path = Path(run_dir) / "recipe.toml"
+    if not path.is_file():
+        raise RecipeError(f"{run_dir}: not a run directory (no recipe.toml)")
+    return load_recipe(path, overrides)

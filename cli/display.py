@@ -1,0 +1,62 @@
+"""Rich rendering shared by commands: the training progress display and score tables."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+TOTAL = 1000  # the bar counts thousandths of the run (steps, epochs or minutes, whichever ends it first)
+
+
+class TrainDisplay:
+    """Consumes xformer.train events: a progress bar with step, epoch, loss, lr, tokens/s and
+    ETA; a printed line per validation."""
+
+    def __init__(self, console: Console | None = None):
+        self.console = console or Console(stderr=True)
+        self.progress = Progress(
+            TextColumn("[bold]train[/bold]"), BarColumn(), TaskProgressColumn(),
+            TextColumn("step {task.fields[step]} ep {task.fields[epoch]} loss {task.fields[loss]} "
+                       "lr {task.fields[lr]} {task.fields[tps]} tok/s"),
+            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+            console=self.console, transient=False,
+        )
+        self.task = None
+
+    def __enter__(self):
+        self.progress.start()
+        self.task = self.progress.add_task("train", total=TOTAL, step=0, epoch=1, loss="-", lr="-", tps="-")
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+
+    def __call__(self, kind: str, payload: dict) -> None:
+        if kind == "setup":
+            self.progress.console.print(f"[dim]{payload['message']}[/dim]")
+        elif kind == "start":
+            self.progress.console.print(
+                f"[dim]{payload['parameters']:,} parameters, {payload['steps_per_epoch']} steps per epoch, "
+                f"run directory {payload['run_dir']}[/dim]")
+            self.progress.update(self.task, step=payload["step"])
+        elif kind == "tick":
+            self.progress.update(self.task, completed=payload["fraction"] * TOTAL, step=payload["step"])
+        elif kind == "step":
+            self.progress.update(
+                self.task, completed=payload["fraction"] * TOTAL, step=payload["step"], epoch=payload["epoch"],
+                loss=f"{payload['loss']:.3f}", lr=f"{payload['lr']:.2e}", tps=f"{payload['tokens_per_s']:,.0f}")
+        elif kind == "valid":
+            bleu = f" bleu {payload['bleu']:.2f}" if "bleu" in payload else ""
+            mark = " [green]best[/green]" if payload.get("best") else ""
+            self.progress.console.print(
+                f"step {payload['step']}: valid loss {payload['loss']:.3f} ppl {payload['ppl']:.2f}{bleu}{mark}")
+
+
+def score_table(title: str, rows: dict) -> Table:
+    table = Table(title=title, header_style="bold")
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in rows.items():
+        table.add_row(key, f"{value:.2f}" if isinstance(value, float) else str(value))
+    return table

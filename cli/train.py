@@ -1,0 +1,47 @@
+"""xformer train RECIPE: train a model into a run directory."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from xformer_cli.common import SET_HELP, user_errors
+from xformer_cli.display import TrainDisplay, score_table
+
+from xformer.config import load_recipe
+from xformer.train import run
+
+
+@user_errors
+def train(
+    recipe: Path = typer.Argument(..., help="Recipe TOML, e.g. recipes/translation/multi30k_de_en.toml."),
+    out: Path | None = typer.Option(None, "--out", help="Run directory [default: runs/<recipe name>]."),
+    overrides: list[str] = typer.Option([], "--set", help=SET_HELP),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
+    precision: str | None = typer.Option(None, "--precision", help="auto, fp32, bf16 or fp16 (sets train.precision)."),
+    max_steps: int | None = typer.Option(None, "--max-steps", help="Stop after N optimizer steps (train.max_steps)."),
+    max_time: float | None = typer.Option(None, "--max-time", help="Stop after MINUTES of training (train.max_time)."),
+    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
+    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory."),
+    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+) -> None:
+    """Train the recipe's model: tokenizer, training with validation, checkpoints, averaging."""
+    sets = list(overrides)
+    for key, value in (("precision", precision), ("max_steps", max_steps), ("max_time", max_time)):
+        if value is not None:
+            sets.append(f"train.{key}={value}")
+    cfg = load_recipe(recipe, sets)
+    with TrainDisplay() as display:
+        result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
+                     on_event=display)
+    summary = {"run": result.run_dir, "steps": result.steps, "epochs": round(result.epochs, 2),
+               "stopped by": result.stop_reason, "minutes": result.train_seconds / 60,
+               "best step": (result.best or {}).get("step"), "best valid bleu": (result.best or {}).get("bleu"),
+               "best valid loss": (result.best or {}).get("loss"), "loop overhead %": 100 * result.loop_overhead,
+               "device": result.device, "precision": result.precision}
+    if as_json:
+        typer.echo(json.dumps(summary))
+    else:
+        Console().print(score_table("training", summary))

@@ -1,0 +1,132 @@
+"""Checkpoints: one safetensors file each, written atomically, loaded without unpickling.
+
+Tensors (model weights, optimizer moments, RNG states) are safetensors entries under a
+prefix (`model.`, `optim.<param index>.<name>`, `rng.`); everything else (step, epoch, the
+recipe, optimizer hyper-parameters, trainer bookkeeping) is JSON in the file's metadata
+under the key "xformer". Loading reads tensors and JSON only, so a checkpoint from anywhere
+cannot execute code.
+
+A tensor shared between modules (tied embeddings) is stored once, under its first name;
+loading restores the sharing because the model ties the parameters itself.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from torch import nn
+
+from xformer.errors import RunError
+
+FORMAT = "xformer-checkpoint-1"
+
+
+def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """state_dict with each shared tensor once (first name wins), contiguous, on the CPU."""
+    out, seen = {}, set()
+    for name, tensor in model.state_dict().items():
+        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
+        if key in seen:
+            continue
+        seen.add(key)
+        out[name] = tensor.detach().to("cpu").contiguous()
+    return out
+
+
+def save_checkpoint(
+    path: str | Path, model: nn.Module, *, meta: dict[str, Any],
+    optimizer: torch.optim.Optimizer | None = None, extra_tensors: dict[str, torch.Tensor] | None = None,
+) -> None:
+    """Write model weights (+ optimizer state, + extra tensors such as RNG states) and the
+    JSON-able `meta` to `path`, atomically: a temporary file in the same folder, then rename."""
+    tensors = {f"model.{k}": v for k, v in unique_state_dict(model).items()}
+    meta = dict(meta)
+    if optimizer is not None:
+        state = optimizer.state_dict()
+        scalars: dict[str, dict[str, Any]] = {}
+        for index, entry in state["state"].items():
+            for name, value in entry.items():
+                if torch.is_tensor(value):
+                    tensors[f"optim.{index}.{name}"] = value.detach().to("cpu").contiguous()
+                else:
+                    scalars.setdefault(str(index), {})[name] = value
+        meta["optimizer"] = {"param_groups": state["param_groups"], "scalars": scalars}
+    for name, value in (extra_tensors or {}).items():
+        tensors[name] = value.detach().to("cpu").contiguous()
+    header = {"format": FORMAT, **meta}
+    _atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata={"xformer": json.dumps(header)}))
+
+
+def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """All tensors and the JSON metadata of a checkpoint. Raises RunError naming the file
+    when it is missing or not an xformer checkpoint."""
+    path = Path(path)
+    if not path.is_file():
+        raise RunError(f"{path}: no such checkpoint")
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            header = json.loads((f.metadata() or {}).get("xformer", "{}"))
+            tensors = {k: f.get_tensor(k) for k in f.keys()}
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise RunError(f"{path}: not a readable safetensors checkpoint ({exc})") from None
+    if header.get("format") != FORMAT:
+        raise RunError(f"{path}: not an xformer checkpoint (format {header.get('format')!r}, expected {FORMAT!r})")
+    return tensors, header
+
+
+def load_model_weights(model: nn.Module, tensors: dict[str, torch.Tensor], path: str | Path = "checkpoint") -> None:
+    """Copy `model.*` tensors into `model`; tied parameters are filled through their first name."""
+    weights = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}
+    missing, unexpected = model.load_state_dict(weights, strict=False)
+    expected_missing = set(model.state_dict()) - set(unique_state_dict(model))
+    missing = [k for k in missing if k not in expected_missing]
+    if missing or unexpected:
+        raise RunError(f"{path}: weights do not fit the model (missing {missing[:3]}, unexpected {unexpected[:3]})")
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor], meta: dict) -> None:
+    saved = meta["optimizer"]
+    state: dict[int, dict[str, Any]] = {}
+    for key, value in tensors.items():
+        if key.startswith("optim."):
+            _, index, name = key.split(".", 2)
+            state.setdefault(int(index), {})[name] = value
+    for index, scalars in saved["scalars"].items():
+        state.setdefault(int(index), {}).update(scalars)
+    optimizer.load_state_dict({"state": state, "param_groups": saved["param_groups"]})
+
+
+def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
+    """Element-wise mean of the `model.*` tensors of several checkpoints (Vaswani et al. 2017
+    average the last 5 or 20), in float64 to keep the sum exact, cast back to the stored dtype."""
+    total: dict[str, torch.Tensor] = {}
+    for path in paths:
+        tensors, _ = read_checkpoint(path)
+        for k, v in tensors.items():
+            if k.startswith("model."):
+                total[k] = total[k] + v.double() if k in total else v.double()
+    first, _ = read_checkpoint(paths[0])
+    return {k: (v / len(paths)).to(first[k].dtype) for k, v in total.items()}
+
+
+def _atomic_write(path: Path, write) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    os.close(fd)
+    try:
+        write(tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | Path, text: str) -> None:
+    _atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))

@@ -1,0 +1,209 @@
+"""Decoding a Seq2Seq model: greedy search and beam search over the KV cache, and the
+teacher-forced score of a given hypothesis.
+
+Conventions, shared by both searches (fairseq's `SequenceGenerator` unless stated):
+
+- Source length `src_len` counts the non-pad source tokens, the trailing EOS included (what
+  fairseq's `src_lengths` holds for a translation batch). Each sentence gets its own
+  `max_len = floor(max_len_a * src_len + max_len_b)`, capped at `max_positions - 1` so that
+  BOS plus `max_len` tokens fit the decoder. fairseq uses the padded batch width for every
+  sentence; per sentence means a sentence decodes the same alone or in any batch.
+- `max_len` counts output tokens without EOS: a hypothesis holds at most `max_len` tokens
+  and EOS is forced after them (fairseq forces EOS at step `max_len` in the same way).
+- `min_len` (default 0) tokens must come before EOS. Zero allows an empty hypothesis, so a
+  model that puts EOS first is reported as doing so; fairseq-generate's default is 1.
+- PAD and BOS are never generated. Scores are log-softmax in fp32 over the whole vocabulary
+  and are not renormalised after masking, nor when EOS is forced.
+- A finished hypothesis of `n` tokens plus EOS scores `sum log p / (n + 1) ** lenpen`.
+- Returned hypotheses are token ids without BOS and EOS.
+
+Shapes: B sentences, S source length, V vocabulary, k beam size, n sentences still
+decoding; beam rows are sentence-major, row = sentence * k + beam.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator
+
+import torch
+from torch import Tensor
+
+from xformer.model.transformer import Seq2Seq
+
+
+@contextlib.contextmanager
+def _eval_mode(model: Seq2Seq) -> Iterator[None]:
+    """Dropout off while decoding; the caller's train/eval mode is restored afterwards."""
+    was_training = model.training
+    model.eval()
+    try:
+        yield
+    finally:
+        model.train(was_training)
+
+
+def _max_lengths(model: Seq2Seq, src: Tensor, max_len_a: float, max_len_b: int, pad_id: int) -> list[int]:
+    """Per sentence: the most tokens (EOS not counted) a hypothesis may hold."""
+    cap = model.decoder.embed.max_positions - 1  # BOS + max_len tokens are decoder positions
+    src_len = src.ne(pad_id).sum(dim=1).tolist()
+    return [max(0, min(cap, math.floor(max_len_a * n + max_len_b))) for n in src_len]
+
+
+def _ban_(lprobs: Tensor, step: int, min_len: int, bos_id: int, eos_id: int, pad_id: int) -> None:
+    """Tokens no hypothesis may take at this step, in place. lprobs: (rows, V)."""
+    lprobs[:, pad_id] = -math.inf
+    lprobs[:, bos_id] = -math.inf
+    if step < min_len:
+        lprobs[:, eos_id] = -math.inf
+
+
+@torch.inference_mode()
+def greedy_decode(
+    model: Seq2Seq, src: Tensor, *, max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
+    bos_id: int = 2, eos_id: int = 3, pad_id: int = 0,
+) -> list[list[int]]:
+    """The most probable next token at every step, a batch at a time, one token per step
+    through the KV cache. src: (B, S) right-padded ids -> B token lists (no BOS, no EOS).
+
+    A sentence leaves the batch (and its cache rows) as soon as it emits EOS.
+    """
+    with _eval_mode(model):
+        b = src.size(0)
+        max_len = _max_lengths(model, src, max_len_a, max_len_b, pad_id)
+        longest = max(max_len, default=0)
+        memory, memory_pad = model.encode(src)  # (B, S, D), (B, S)
+        cache = model.new_cache()
+        active = torch.arange(b, device=src.device)  # original sentence of each row
+        limit = torch.tensor(max_len, device=src.device)  # (B,) max_len of each row
+        out = src.new_full((b, longest + 1), eos_id)
+        prev = src.new_full((b, 1), bos_id)
+        for step in range(longest + 1):
+            logits = model.decode(prev, memory, memory_pad, cache)[:, -1].float()  # (n, V)
+            _ban_(logits, step, min_len, bos_id, eos_id, pad_id)
+            token = logits.argmax(dim=-1)  # (n,)
+            token = torch.where(limit <= step, eos_id, token)  # forced, whatever EOS's probability
+            out[active, step] = token
+            going = token.ne(eos_id)
+            if not going.any():
+                break
+            if not going.all():
+                keep = going.nonzero().squeeze(1)
+                cache.reorder(keep)
+                active, limit, token = active[keep], limit[keep], token[keep]
+                memory, memory_pad = memory[keep], memory_pad[keep]
+            prev = token[:, None]
+        return [row[: row.index(eos_id)] for row in out.tolist()]
+
+
+@torch.inference_mode()
+def beam_search(
+    model: Seq2Seq, src: Tensor, *, beam: int = 5, lenpen: float = 1.0, max_len_a: float = 1.2,
+    max_len_b: int = 10, min_len: int = 0, bos_id: int = 2, eos_id: int = 3, pad_id: int = 0,
+) -> list[list[int]]:
+    """Beam search as fairseq's SequenceGenerator does it. src: (B, S) right-padded ids ->
+    for each sentence the finished hypothesis with the best length-normalised score
+    (tokens without BOS and EOS).
+
+    Each step takes the top 2k (beam score + log p) candidates of a sentence. EOS
+    candidates among the first k are finished hypotheses; the first k non-EOS candidates
+    are the next beam. A sentence is done when it has k finished hypotheses, or at its
+    max_len, where EOS ends every live hypothesis. Done sentences leave the batch, their
+    rows dropped from the cache, so they cost nothing more. The encoder runs once; its
+    output is expanded to k rows per sentence.
+    """
+    k = beam
+    if k < 1:
+        raise ValueError(f"beam must be at least 1, found {beam}")
+    with _eval_mode(model):
+        b, device = src.size(0), src.device
+        max_len = _max_lengths(model, src, max_len_a, max_len_b, pad_id)
+        memory, memory_pad = model.encode(src)
+        memory = memory.repeat_interleave(k, dim=0)  # (B*k, S, D)
+        memory_pad = memory_pad.repeat_interleave(k, dim=0)  # (B*k, S)
+        cache = model.new_cache()
+
+        active = list(range(b))  # original sentence of each of the n decoding sentences
+        finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(b)]  # (score, tokens)
+        # Only beam 0 is real at the start; the others are -inf so they are never chosen over it.
+        scores = torch.full((b, k), -math.inf, device=device)  # (n, k) sum log p, fp32
+        scores[:, 0] = 0.0
+        tokens = src.new_empty((b * k, 0))  # (n*k, step) generated so far
+        prev = src.new_full((b * k, 1), bos_id)
+        base = torch.arange(b, device=device)[:, None] * k  # (n, 1) first row of each sentence
+
+        for step in range(max(max_len, default=0) + 1):
+            n = len(active)
+            logits = model.decode(prev, memory, memory_pad, cache)[:, -1].float()  # (n*k, V)
+            log_z = logits.logsumexp(dim=-1, keepdim=True)  # log p = logit - log_z, never renormalised
+            eos_lprob = logits[:, eos_id] - log_z[:, 0]
+            _ban_(logits, step, min_len, bos_id, eos_id, pad_id)
+            # A sentence's best 2k candidates lie among each of its rows' best 2k tokens, so
+            # log p is formed for those only, not for all k*V.
+            c = min(2 * k, logits.size(-1))
+            row_lprobs, row_tokens = logits.topk(c, dim=-1)  # (n*k, c)
+            row_lprobs = row_lprobs - log_z
+            at_max = [max_len[s] <= step for s in active]
+            if any(at_max):  # EOS only, clamped so that a hypothesis ends even if p(EOS) = 0
+                forced = torch.tensor(at_max, device=device).repeat_interleave(k)[:, None]  # (n*k, 1)
+                only_eos = torch.full_like(row_lprobs, -math.inf)
+                only_eos[:, 0] = eos_lprob.clamp(min=torch.finfo(row_lprobs.dtype).min)
+                row_lprobs = torch.where(forced, only_eos, row_lprobs)
+                row_tokens = torch.where(forced, eos_id, row_tokens)
+            candidates = (scores[:, :, None] + row_lprobs.view(n, k, c)).view(n, k * c)
+            top_scores, top = candidates.topk(min(2 * k, k * c), dim=1)  # (n, 2k), best first
+            top_beam, top_token = top // c, row_tokens.view(n, k * c).gather(1, top)
+            is_eos = top_token.eq(eos_id)
+
+            # Finished hypotheses: EOS among the first k candidates, best first, until k.
+            ends = is_eos[:, :k] & top_scores[:, :k].isfinite()
+            if ends.any():
+                sent, col = ends.nonzero(as_tuple=True)
+                rows = base[sent, 0] + top_beam[sent, col]
+                ended = zip(sent.tolist(), tokens[rows].tolist(),
+                            (top_scores[sent, col] / (step + 1) ** lenpen).tolist(), strict=True)
+                for s, hyp, score in ended:
+                    if len(finished[active[s]]) < k:
+                        finished[active[s]].append((score, hyp))
+
+            # The next beam: the first k candidates that are not EOS (EOS sorts after them all).
+            order = is_eos.long() * top.size(1) + torch.arange(top.size(1), device=device)
+            live = order.topk(k, dim=1, largest=False).indices  # (n, k), ascending
+            scores = top_scores.gather(1, live)
+            rows = (base + top_beam.gather(1, live)).view(-1)  # (n*k,) cache rows to carry on
+            token = top_token.gather(1, live).view(-1)
+
+            going = [not done and len(finished[s]) < k for s, done in zip(active, at_max, strict=True)]
+            if not any(going):
+                break
+            if not all(going):
+                keep = torch.tensor([i for i, g in enumerate(going) if g], device=device)
+                keep_rows = (keep[:, None] * k + torch.arange(k, device=device)).view(-1)
+                active = [active[i] for i in keep.tolist()]
+                scores = scores[keep]
+                rows, token = rows.view(n, k)[keep].view(-1), token.view(n, k)[keep].view(-1)
+                memory, memory_pad = memory[keep_rows], memory_pad[keep_rows]
+                base = base[: len(active)]
+            cache.reorder(rows)
+            tokens = torch.cat([tokens[rows], token[:, None]], dim=1)
+            prev = token[:, None]
+
+        return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in finished]
+
+
+@torch.inference_mode()
+def sequence_logprob(model: Seq2Seq, src: Tensor, hyp_tokens: list[list[int]], *,
+                     bos_id: int = 2, eos_id: int = 3, pad_id: int = 0) -> Tensor:
+    """Teacher-forced sum of log p(hypothesis tokens, then EOS | src), fp32 log-softmax over
+    the whole vocabulary as the searches score. src: (B, S); B token lists -> (B,)."""
+    with _eval_mode(model):
+        t = max(len(h) for h in hyp_tokens) + 1
+        tgt_in = src.new_full((len(hyp_tokens), t), pad_id)
+        tgt_out = src.new_full((len(hyp_tokens), t), pad_id)
+        for i, hyp in enumerate(hyp_tokens):
+            tgt_in[i, : len(hyp) + 1] = torch.tensor([bos_id, *hyp])
+            tgt_out[i, : len(hyp) + 1] = torch.tensor([*hyp, eos_id])
+        lprobs = torch.log_softmax(model(src, tgt_in).float(), dim=-1)  # (B, T, V)
+        picked = lprobs.gather(-1, tgt_out[..., None]).squeeze(-1)  # (B, T)
+        return picked.masked_fill(tgt_out.eq(pad_id), 0.0).sum(dim=1)

@@ -1,0 +1,60 @@
+"""`xformer tokenize`: train a run's sentencepiece tokenizer, or apply it to text."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from xformer.config import Recipe
+from xformer.data.corpus import load_split
+from xformer.data.tokenizer import UNK_ID, Side, Tokenizer, train_tokenizer
+from xformer.errors import RunError
+
+
+def tokenizer_dir(run_dir: str | Path) -> Path:
+    return Path(run_dir) / "tokenizer"
+
+
+def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> Tokenizer:
+    """The run's tokenizer, trained on the recipe's training split when the run has none yet."""
+    d = recipe.data
+    directory = tokenizer_dir(run_dir)
+    if directory.is_dir() and any(directory.glob("*.model")):
+        return Tokenizer.load(directory, d.source_lang, d.target_lang)
+    if train_split is None:
+        train_split = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang])
+    return train_tokenizer(
+        train_split, d.source_lang, d.target_lang, directory, model_type=d.tokenizer, vocab_size=d.vocab_size,
+        joint=d.joint_vocab, character_coverage=d.character_coverage, byte_fallback=d.byte_fallback,
+        seed=recipe.train.seed,
+    )
+
+
+def tokenize_recipe(recipe: Recipe, run_dir: str | Path, *, overwrite: bool = False, sample: int = 2000) -> dict:
+    """Train the tokenizer of `recipe` into RUN/tokenizer and describe it: vocabulary sizes and,
+    on the first `sample` training pairs, pieces per sentence and the share of unknown pieces."""
+    directory = tokenizer_dir(run_dir)
+    if directory.exists() and any(directory.iterdir()):
+        if not overwrite:
+            raise RunError(f"{directory}: a tokenizer exists; pass --overwrite to train a new one "
+                           "(a run trained with the old one cannot use it)")
+        shutil.rmtree(directory)
+    d = recipe.data
+    train = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang])
+    tokenizer = ensure_tokenizer(recipe, run_dir, train)
+    head = train.select(range(min(sample, len(train))))
+    stats = {"directory": str(directory), "files": [str(f) for f in tokenizer.files], "joint": tokenizer.joint}
+    for side, lang in (("source", d.source_lang), ("target", d.target_lang)):
+        ids = tokenizer.encode(list(head[lang]), side)
+        n = sum(len(s) for s in ids)
+        stats[f"{side}_vocab"] = tokenizer.vocab_size(side)
+        stats[f"{side}_pieces_per_sentence"] = n / max(1, len(ids))
+        stats[f"{side}_unk_rate"] = sum(s.count(UNK_ID) for s in ids) / max(1, n)
+    return stats
+
+
+def apply_tokenizer(recipe: Recipe, run_dir: str | Path, lines: list[str], side: Side) -> list[str]:
+    """Lines as space-separated sentencepiece pieces, with the run's tokenizer."""
+    d = recipe.data
+    tokenizer = Tokenizer.load(tokenizer_dir(run_dir), d.source_lang, d.target_lang)
+    return [" ".join(p) for p in tokenizer.pieces(lines, side)]
