@@ -8,9 +8,9 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.table import Table
-from xformer_cli.common import SET_HELP, user_errors
 
 from xformer.check import check_recipe
+from xformer_cli.common import SET_HELP, user_errors
 
 
 @user_errors

@@ -25,9 +25,7 @@ class TrainDisplay:
         self.task = None
 
     def __enter__(self):
-        self.progress.start()
-        self.task = self.progress.add_task("train", total=TOTAL, step=0, epoch=1, loss="-", lr="-", tps="-")
-        return self
+        return self  # the bar appears at the "start" event, after data and tokenizer are ready
 
     def __exit__(self, *exc):
         self.progress.stop()
@@ -36,6 +34,8 @@ class TrainDisplay:
         if kind == "setup":
             self.progress.console.print(f"[dim]{payload['message']}[/dim]")
         elif kind == "start":
+            self.progress.start()
+            self.task = self.progress.add_task("train", total=TOTAL, step=0, epoch=1, loss="-", lr="-", tps="-")
             self.progress.console.print(
                 f"[dim]{payload['parameters']:,} parameters, {payload['steps_per_epoch']} steps per epoch, "
                 f"run directory {payload['run_dir']}[/dim]")

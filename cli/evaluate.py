@@ -9,11 +9,11 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.progress import Progress
-from xformer_cli.common import user_errors
-from xformer_cli.display import score_table
 
 from xformer.errors import DataError
 from xformer.evaluate import evaluate_run, translate_lines
+from xformer_cli.common import user_errors
+from xformer_cli.display import score_table
 
 CHECKPOINT_HELP = "best, last or averaged [default: the recipe's eval.checkpoint]."
 

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import typer
+
+import xformer
 from xformer_cli.check import check
 from xformer_cli.common import STATE
 from xformer_cli.evaluate import evaluate, translate
 from xformer_cli.tokenize import tokenize
 from xformer_cli.train import train
-
-import xformer
 
 app = typer.Typer(
     name="xformer",

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import typer
 from rich.console import Console
-from xformer_cli.common import SET_HELP, user_errors
-from xformer_cli.display import TrainDisplay, score_table
 
 from xformer.config import load_recipe
 from xformer.train import run
+from xformer_cli.common import SET_HELP, user_errors
+from xformer_cli.display import TrainDisplay, score_table
 
 
 @user_errors

@@ -1,13 +1,14 @@
 import os
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def shared_dir() -> Path:
     """../shared beside the checkout. Absent: skip, unless XFORMER_REQUIRE_SHARED=1 (CI),
     where a missing corpus must fail the run rather than silently skip tests."""
@@ -22,3 +23,12 @@ def shared_dir() -> Path:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _datasets_cache(tmp_path_factory):
+    """Keep the Arrow caches of the tests' throwaway corpora out of the user's cache."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-cache")))
+        datasets.disable_progress_bars()
+        yield

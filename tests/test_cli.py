@@ -2,6 +2,7 @@ import json
 from pathlib import Path
 
 from typer.testing import CliRunner
+
 from xformer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]

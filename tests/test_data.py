@@ -18,15 +18,6 @@ FIELDS = ["de", "en"]
 SMALL = dict(model_type="unigram", vocab_size=500, character_coverage=1.0, byte_fallback=False)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _datasets_cache(tmp_path_factory):
-    """Keep the Arrow caches of these tests' throwaway corpora out of the user's cache."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-cache")))
-        datasets.disable_progress_bars()
-        yield
-
-
 _TRAINED: dict = {}
 
 

@@ -203,9 +203,10 @@ def run(
                 for batch in group:
                     src, tgt_in, tgt_out = (batch[k].to(rt.device, non_blocking=True)
                                             for k in ("src", "tgt_in", "tgt_out"))
+                    keep = tgt_out.ne(PAD_ID)
                     with rt.autocast():
-                        logits = model(src, tgt_in)
-                    loss = sequence_loss(logits, tgt_out, PAD_ID, cfg.label_smoothing)
+                        logits = model(src, tgt_in, keep=keep)  # (N, V): real target positions only
+                    loss = sequence_loss(logits, tgt_out[keep], PAD_ID, cfg.label_smoothing)
                     rt.backward(loss / n_tokens)
                     loss_sum += loss.item()
                 rt.step(optimizer, model, cfg.clip_norm)

@@ -213,10 +213,17 @@ class Seq2Seq(nn.Module):
     def new_cache(self) -> DecoderCache:
         return DecoderCache(len(self.decoder.layers))
 
-    def forward(self, src: Tensor, tgt: Tensor) -> Tensor:
-        """src: (B, S), tgt: (B, T) decoder input (BOS + target[:-1]) -> logits (B, T, V)."""
+    def forward(self, src: Tensor, tgt: Tensor, keep: Tensor | None = None) -> Tensor:
+        """src: (B, S), tgt: (B, T) decoder input (BOS + target[:-1]) -> logits (B, T, V).
+
+        With `keep` (B, T) boolean, only the kept positions are projected to the vocabulary:
+        logits (N, V) for the N True entries in row-major order. Training passes the non-pad
+        targets, skipping the largest matmul of the model for padding."""
         memory, memory_pad = self.encode(src)
-        return self.decode(tgt, memory, memory_pad)
+        hidden = self.decoder(tgt, memory, memory_pad)  # (B, T, D)
+        if keep is not None:
+            hidden = hidden[keep]  # (N, D)
+        return self.output(hidden)
 
 
 class Classifier(nn.Module):

@@ -1,0 +1,169 @@
+"""End to end on a slice of Multi30k: train, resume, evaluate, translate, tokenize; through the
+core and through the CLI. Tiny models, a few dozen steps: seconds, not minutes."""
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from xformer.checkpoint import read_checkpoint
+from xformer.config import load_recipe
+from xformer.errors import RunError
+from xformer.evaluate import evaluate_run
+from xformer.train import run
+from xformer_cli.main import app
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "translation" / "multi30k_de_en.toml"
+TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
+        "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=512", "train.warmup_steps=10",
+        "train.lr=3e-3", "train.log_every=5", "train.valid_every=10", "train.average_last=2",
+        "train.max_time=0.0", "eval.beam=2", "eval.batch_sentences=16"]
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory, shared_dir) -> Path:
+    """600 train / 40 validation / 40 test pairs of Multi30k as a local JSONL folder."""
+    shared = shared_dir
+    folder = tmp_path_factory.mktemp("m30k")
+    for name, n in (("train", 600), ("val", 40), ("test", 40)):
+        lines = (shared / "data" / "multi30k" / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()[:n]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder
+
+
+def tiny_recipe(corpus, *extra):
+    return load_recipe(RECIPE, TINY + [f"data.dataset={json.dumps(str(corpus))}", *extra])
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    result = run(tiny_recipe(corpus, "train.max_steps=40"), out, device="cpu")
+    return out, result
+
+
+def test_training_writes_a_complete_run_and_loss_falls(trained):
+    out, result = trained
+    assert result.steps == 40 and result.stop_reason == "max_steps"
+    for name in ("recipe.toml", "metrics.jsonl", "train.json", "tokenizer/spm.model", "checkpoints/last.safetensors",
+                 "checkpoints/best.safetensors", "checkpoints/averaged.safetensors"):
+        assert (out / name).is_file(), name
+    assert sorted(p.name for p in (out / "checkpoints").glob("step_*")) == ["step_0000030.safetensors",
+                                                                            "step_0000040.safetensors"]
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert losses[-1] < losses[0] - 1.0
+    valid = [r for r in records if r["kind"] == "valid"]
+    assert [r["step"] for r in valid] == [10, 20, 30, 40]
+    assert valid[-1]["loss"] < valid[0]["loss"]
+    assert {"bleu", "chrf", "ppl"} <= set(valid[0])
+
+
+def test_resume_equals_uninterrupted(corpus, tmp_path):
+    extra = ["model.dropout=0.3", "train.max_steps=20"]
+    straight = run(tiny_recipe(corpus, *extra), tmp_path / "a", device="cpu")
+    run(tiny_recipe(corpus, "model.dropout=0.3", "train.max_steps=10"), tmp_path / "b", device="cpu")
+    resumed = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", resume=True)
+    assert resumed.steps == straight.steps == 20
+    a, _ = read_checkpoint(tmp_path / "a" / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(tmp_path / "b" / "checkpoints" / "last.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == sorted(steps)  # records after the checkpoint were dropped, not duplicated
+
+
+def test_resume_refuses_a_different_model(corpus, trained):
+    out, _ = trained
+    with pytest.raises(RunError, match=r"different \[model\] values \(d_model\)"):
+        run(tiny_recipe(corpus, "model.d_model=64", "train.max_steps=50"), out, device="cpu", resume=True)
+
+
+def test_a_run_is_never_overwritten_silently(corpus, trained):
+    out, _ = trained
+    with pytest.raises(RunError, match="exists and is not empty; pass --resume .* or --overwrite"):
+        run(tiny_recipe(corpus, "train.max_steps=1"), out, device="cpu")
+
+
+def test_evaluate_writes_scores_and_hypotheses(trained, corpus):
+    out, _ = trained
+    report = evaluate_run(out, checkpoint="last", device="cpu")
+    assert report["n_sentences"] == 40
+    assert {"bleu", "bleu_lc", "chrf", "signature", "n_sentences"} <= set(report)
+    assert "case:mixed" in report["signature"]
+    saved = json.loads((out / "eval.json").read_text())
+    assert saved["bleu"] == report["bleu"]
+    hyps = Path(report["hypotheses"]).read_text(encoding="utf-8").splitlines()
+    assert len(hyps) == 40
+
+
+def test_cli_eval_translate_and_errors(trained, corpus, tmp_path):
+    out, _ = trained
+    result = runner.invoke(app, ["eval", str(out), "--checkpoint", "best", "--beam", "1", "--json",
+                                 "--data", str(corpus / "val.jsonl")])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["n_sentences"] == 40
+
+    result = runner.invoke(app, ["translate", str(out), "--beam", "1"], input="Ein Hund läuft.\nZwei Männer.\n")
+    assert result.exit_code == 0, result.output
+    assert len(result.stdout.splitlines()) == 2
+
+    missing = runner.invoke(app, ["eval", str(out), "--checkpoint", "nope"])
+    assert missing.exit_code == 2
+    assert "nope.safetensors: no such checkpoint (found: averaged, best, last" in missing.stderr
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"de": "Hallo"}\n', encoding="utf-8")
+    result = runner.invoke(app, ["eval", str(out), "--data", str(bad)])
+    assert result.exit_code == 2
+    assert len(result.stderr.strip().splitlines()) == 1 and "'en'" in result.stderr
+
+
+def test_cli_train_bad_data_exits_2_with_one_line(corpus, tmp_path):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "train.jsonl").write_text("")
+    cases = {
+        "data.source_lang=xx": "no field 'xx'",
+        f"data.dataset={json.dumps(str(empty))}": "train.jsonl: empty, expected JSONL lines",
+        f"data.dataset={json.dumps(str(tmp_path / 'absent'))}": "absent",
+    }
+    for override, expected in cases.items():
+        args = ["train", str(RECIPE), "--out", str(tmp_path / "r"), "--max-steps", "1"]
+        for item in TINY + [f"data.dataset={json.dumps(str(corpus))}", override]:
+            args += ["--set", item]
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2, (override, result.output)
+        lines = result.stderr.strip().splitlines()  # progress notes, then the one error line
+        assert expected in lines[-1], (override, lines)
+        assert "Traceback" not in result.output
+
+
+def test_cli_tokenize_then_train_reuses_the_tokenizer(corpus, tmp_path):
+    out = tmp_path / "run"
+    sets = []
+    for item in TINY + [f"data.dataset={json.dumps(str(corpus))}", "train.max_steps=2"]:
+        sets += ["--set", item]
+    result = runner.invoke(app, ["tokenize", str(RECIPE), "--out", str(out), *sets])
+    assert result.exit_code == 0, result.output
+    model = (out / "tokenizer" / "spm.model").read_bytes()
+    again = runner.invoke(app, ["tokenize", str(RECIPE), "--out", str(out), *sets])
+    assert again.exit_code == 2 and "--overwrite" in again.stderr
+    pieces = runner.invoke(app, ["tokenize", str(RECIPE), "--out", str(out), "--apply", "-", *sets],
+                           input="Ein Hund läuft.\n")
+    assert pieces.exit_code == 0 and "▁" in pieces.stdout
+    result = runner.invoke(app, ["train", str(RECIPE), "--out", str(out), *sets])
+    assert result.exit_code == 0, result.output
+    assert (out / "tokenizer" / "spm.model").read_bytes() == model
+
+
+def test_a_damaged_checkpoint_is_refused_not_unpickled(tmp_path):
+    path = tmp_path / "x.safetensors"
+    path.write_bytes(b"\x80\x04 not a checkpoint")
+    with pytest.raises(RunError, match="not a readable safetensors checkpoint"):
+        read_checkpoint(path)
