@@ -23,8 +23,8 @@ def evaluate(
     run: Path = typer.Argument(..., help="Run directory written by xformer train."),
     split: str | None = typer.Option(None, "--split", help="Split of the recipe's corpus [default: data.test_split]."),
     data: str | None = typer.Option(None, "--data", help="Score this JSONL file or folder instead."),
-    beam: int | None = typer.Option(None, "--beam", help="Beam size; 1 is greedy [default: eval.beam]."),
-    lenpen: float | None = typer.Option(None, "--lenpen", help="Length penalty [default: eval.lenpen]."),
+    beam: int | None = typer.Option(None, "--beam", min=1, help="Beam size; 1 is greedy [default: eval.beam]."),
+    lenpen: float | None = typer.Option(None, "--lenpen", min=0.0, help="Length penalty [default: eval.lenpen]."),
     checkpoint: str | None = typer.Option(None, "--checkpoint", help=CHECKPOINT_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print eval.json instead of a table."),
@@ -49,8 +49,8 @@ def evaluate(
 def translate(
     run: Path = typer.Argument(..., help="Run directory written by xformer train."),
     input: Path | None = typer.Option(None, "--input", help="File of sentences, one per line [default: stdin]."),
-    beam: int | None = typer.Option(None, "--beam", help="Beam size; 1 is greedy [default: eval.beam]."),
-    lenpen: float | None = typer.Option(None, "--lenpen", help="Length penalty [default: eval.lenpen]."),
+    beam: int | None = typer.Option(None, "--beam", min=1, help="Beam size; 1 is greedy [default: eval.beam]."),
+    lenpen: float | None = typer.Option(None, "--lenpen", min=0.0, help="Length penalty [default: eval.lenpen]."),
     checkpoint: str | None = typer.Option(None, "--checkpoint", help=CHECKPOINT_HELP),
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
 ) -> None:

@@ -9,6 +9,7 @@ import typer
 from rich.console import Console
 
 from xformer.config import load_recipe
+from xformer.errors import RunError
 from xformer.train import run
 from xformer_cli.common import SET_HELP, user_errors
 from xformer_cli.display import TrainDisplay, score_table
@@ -28,6 +29,8 @@ def train(
     as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
 ) -> None:
     """Train the recipe's model: tokenizer, training with validation, checkpoints, averaging."""
+    if resume and overwrite:
+        raise RunError("--resume and --overwrite: choose one (continue the run, or replace it)")
     sets = list(overrides)
     for key, value in (("precision", precision), ("max_steps", max_steps), ("max_time", max_time)):
         if value is not None:
@@ -45,3 +48,7 @@ def train(
         typer.echo(json.dumps(summary))
     else:
         Console().print(score_table("training", summary))
+    if result.stop_reason == "interrupted":
+        typer.echo(f"interrupted at step {result.steps}; continue with: xformer train {recipe} "
+                   f"--out {result.run_dir} --resume", err=True)
+        raise typer.Exit(130)

@@ -117,3 +117,19 @@ def test_missing_and_invalid_files(tmp_path):
     bad.write_text("[model\n")
     with pytest.raises(RecipeError, match="bad.toml: not valid TOML"):
         load_recipe(bad)
+
+
+def test_training_length_must_fit_the_positions():
+    lines = problems({**VALID, "model": {"max_positions": 100}, "data": {"max_len": 100}})
+    assert lines == ["r.toml: data.max_len: expected at most model.max_positions - 1 = 99, found 100"]
+
+
+def test_a_type_error_is_not_followed_by_its_consequences():
+    lines = problems({**VALID, "model": {"arch": "clasifier", "pooling": "mean"}})
+    assert len(lines) == 1 and "did you mean 'classifier'" in lines[0]
+
+
+def test_non_bmp_characters_survive_a_round_trip(tmp_path):
+    recipe = recipe_from_dict({**VALID, "data": {"dataset": "corpus-\U0001F600"}})
+    recipe.save(tmp_path / "r.toml")
+    assert load_recipe(tmp_path / "r.toml").data.dataset == "corpus-\U0001F600"

@@ -167,3 +167,45 @@ def test_a_damaged_checkpoint_is_refused_not_unpickled(tmp_path):
     path.write_bytes(b"\x80\x04 not a checkpoint")
     with pytest.raises(RunError, match="not a readable safetensors checkpoint"):
         read_checkpoint(path)
+
+
+def test_ctrl_c_stops_at_a_step_boundary_and_resumes_exactly(corpus, tmp_path):
+    import os
+    import signal
+
+    extra = ["model.dropout=0.3", "train.max_steps=12", "train.valid_every=6"]
+    straight = run(tiny_recipe(corpus, *extra), tmp_path / "a", device="cpu")
+
+    def interrupt_at_step_4(kind, payload):
+        if kind in ("tick", "step") and payload["step"] == 4:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    stopped = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", on_event=interrupt_at_step_4)
+    assert (stopped.stop_reason, stopped.steps) == ("interrupted", 4)
+    resumed = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", resume=True)
+    assert resumed.steps == straight.steps == 12
+    a, _ = read_checkpoint(tmp_path / "a" / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(tmp_path / "b" / "checkpoints" / "last.safetensors")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_resuming_a_finished_run_is_refused(trained, corpus):
+    out, _ = trained
+    with pytest.raises(RunError, match="already stopped by train.max_steps; raise that limit"):
+        run(tiny_recipe(corpus, "train.max_steps=40"), out, device="cpu", resume=True)
+
+
+def test_overwrite_only_replaces_run_directories(corpus, tmp_path):
+    (tmp_path / "notes.txt").write_text("precious")
+    with pytest.raises(RunError, match="not a run directory"):
+        run(tiny_recipe(corpus, "train.max_steps=1"), tmp_path, device="cpu", overwrite=True)
+    assert (tmp_path / "notes.txt").read_text() == "precious"
+
+
+def test_an_existing_tokenizer_must_match_the_recipe(trained, corpus, tmp_path):
+    from xformer.tokenize import ensure_tokenizer
+
+    out, _ = trained
+    with pytest.raises(RunError, match="trained with vocab_size = 300; the recipe says vocab_size = 400"):
+        ensure_tokenizer(tiny_recipe(corpus, "data.vocab_size=400", "train.max_steps=1"), out)

@@ -245,6 +245,11 @@ class Recipe:
                 "model.tie_embeddings: 'all' shares one embedding between both languages and "
                 "needs data.joint_vocab = true, found false"
             )
+        if self.data.max_len + 1 > self.model.max_positions:  # + 1: BOS or EOS
+            out.append(f"data.max_len: expected at most model.max_positions - 1 = {self.model.max_positions - 1}, "
+                       f"found {self.data.max_len}")
+        if self.eval.checkpoint == "averaged" and self.train.average_last == 0:
+            out.append("eval.checkpoint: 'averaged' needs train.average_last > 0, found 0")
         if self.model.arch != "seq2seq" and self.data.task == "translation":
             out.append(
                 f"model.arch: data.task = 'translation' needs 'seq2seq', found {self.model.arch!r}"
@@ -346,7 +351,7 @@ def _section_from_dict(cls: type, section: str, table: dict, problems: list[str]
     had the right type."""
     hints = typing.get_type_hints(cls)
     known = {f.name: f for f in dataclasses.fields(cls)}
-    values, typed = {}, True
+    values, bad = {}, set()
     for key, value in table.items():
         if key not in known:
             problems.append(f"{section}.{key}: unknown key{_did_you_mean(key, known)}")
@@ -354,19 +359,19 @@ def _section_from_dict(cls: type, section: str, table: dict, problems: list[str]
         error = _type_problem(hints[key], value)
         if error:
             problems.append(f"{section}.{key}: {error}")
-            typed = False
+            bad.add(key)
         else:
             values[key] = float(value) if hints[key] is float else value
     instance = cls(**values)
     for key in values:
         rule = known[key].metadata.get("only_when")
-        if rule and getattr(instance, rule[0]) not in rule[1]:
+        if rule and rule[0] not in bad and getattr(instance, rule[0]) not in rule[1]:
             allowed = " or ".join(repr(v) for v in rule[1])
             problems.append(
                 f"{section}.{key}: applies only when {section}.{rule[0]} = {allowed}, "
                 f"found {section}.{rule[0]} = {getattr(instance, rule[0])!r}; remove it"
             )
-    return instance, typed
+    return instance, not bad
 
 
 def _section_to_dict(instance) -> dict[str, Any]:
@@ -435,7 +440,7 @@ def _toml_value(value) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, str):
-        return json.dumps(value)  # a JSON string is a valid TOML basic string
+        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return repr(value)

@@ -73,11 +73,13 @@ def validate(model, tokenizer, valid_batches, valid_data, refs, recipe: Recipe, 
     of greedy translations of the validation sources."""
     model.eval()
     total, tokens = 0.0, 0
+    limit = recipe.model.max_positions  # a longer validation pair is scored on its first positions
     with torch.inference_mode(), rt.autocast():
         for batch in valid_batches.iter_epoch(0):
-            logits = model(batch["src"].to(rt.device), batch["tgt_in"].to(rt.device))
-            total += sequence_loss(logits, batch["tgt_out"].to(rt.device), PAD_ID).item()
-            tokens += batch["n_tgt_tokens"]
+            src, tgt_in, tgt_out = (batch[k][:, :limit].to(rt.device) for k in ("src", "tgt_in", "tgt_out"))
+            keep = tgt_out.ne(PAD_ID)
+            total += sequence_loss(model(src, tgt_in, keep=keep), tgt_out[keep], PAD_ID).item()
+            tokens += int(keep.sum())
     scores = {"loss": total / tokens, "ppl": math.exp(min(total / tokens, 50))}
     if with_bleu:
         started = time.perf_counter()
@@ -133,9 +135,9 @@ def evaluate_run(
                             "target")
     seconds = time.perf_counter() - started
     scores = translation_scores(hyps, list(raw[d.target_lang]))
-    name = Path(data).stem if data is not None else split
+    name = split if data is None else (Path(data).stem if Path(data).is_file() else f"{Path(data).name}-{split}")
     out_dir = Path(run_dir) / "eval"
-    stem = f"{name}.{checkpoint}.beam{beam}"
+    stem = f"{name}.{checkpoint}.beam{beam}.lenpen{lenpen:g}"
     report = {**scores, "data": spec, "split": split if data is None else None, "checkpoint": checkpoint,
               "beam": beam, "lenpen": lenpen, "decode_seconds": seconds,
               "sentences_per_s": len(hyps) / max(seconds, 1e-9), "hypotheses": str(out_dir / f"{stem}.hyp")}

@@ -34,8 +34,8 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * step / warmup
     if cfg.schedule == "inverse_sqrt":
         return cfg.lr * math.sqrt(max(warmup, 1) / step)
-    if cfg.schedule == "cosine":
-        progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup))
+    if cfg.schedule == "cosine":  # step max_steps still learns: the curve reaches 0 one step later
+        progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup + 1))
         return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
     return cfg.lr
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
+from xformer.checkpoint import atomic_write_text
 from xformer.config import Recipe
 from xformer.data.corpus import load_split
 from xformer.data.tokenizer import UNK_ID, Side, Tokenizer, train_tokenizer
@@ -15,19 +17,45 @@ def tokenizer_dir(run_dir: str | Path) -> Path:
     return Path(run_dir) / "tokenizer"
 
 
+SETTINGS = "settings.json"  # the [data] values a tokenizer was trained with, next to it
+
+
+def tokenizer_settings(recipe: Recipe) -> dict:
+    d = recipe.data
+    return {"dataset": d.dataset, "train_split": d.train_split, "source_lang": d.source_lang,
+            "target_lang": d.target_lang, "tokenizer": d.tokenizer, "vocab_size": d.vocab_size,
+            "joint_vocab": d.joint_vocab, "character_coverage": d.character_coverage,
+            "byte_fallback": d.byte_fallback, "seed": recipe.train.seed}
+
+
 def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> Tokenizer:
-    """The run's tokenizer, trained on the recipe's training split when the run has none yet."""
+    """The run's tokenizer, trained on the recipe's training split when the run has none yet.
+
+    An existing one must have been trained with the recipe's [data] values (settings.json);
+    a tokenizer put there by hand (no settings.json) is taken as it is."""
     d = recipe.data
     directory = tokenizer_dir(run_dir)
+    wanted = tokenizer_settings(recipe)
     if directory.is_dir() and any(directory.glob("*.model")):
+        saved_path = directory / SETTINGS
+        if saved_path.is_file():
+            saved = json.loads(saved_path.read_text())
+            differ = [k for k in wanted if k not in ("dataset", "seed") and saved.get(k) != wanted[k]]
+            if differ:
+                found = ", ".join(f"{k} = {saved.get(k)!r}" for k in differ)
+                raise RunError(f"{directory}: trained with {found}; the recipe says "
+                               f"{', '.join(f'{k} = {wanted[k]!r}' for k in differ)} (retrain it with "
+                               "xformer tokenize --overwrite, or use another --out)")
         return Tokenizer.load(directory, d.source_lang, d.target_lang)
     if train_split is None:
         train_split = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang])
-    return train_tokenizer(
+    tokenizer = train_tokenizer(
         train_split, d.source_lang, d.target_lang, directory, model_type=d.tokenizer, vocab_size=d.vocab_size,
         joint=d.joint_vocab, character_coverage=d.character_coverage, byte_fallback=d.byte_fallback,
         seed=recipe.train.seed,
     )
+    atomic_write_text(directory / SETTINGS, json.dumps(wanted, indent=2))
+    return tokenizer
 
 
 def tokenize_recipe(recipe: Recipe, run_dir: str | Path, *, overwrite: bool = False, sample: int = 2000) -> dict:

@@ -17,9 +17,12 @@ The loop reports progress through `on_event(kind, payload)` (kinds: "setup", "st
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
@@ -39,7 +42,7 @@ from xformer.config import Recipe, load_recipe
 from xformer.data.batching import BatchIterator
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import PAD_ID
-from xformer.errors import RunError
+from xformer.errors import DataError, RunError
 from xformer.evaluate import build_translation_model, validate
 from xformer.optim import build_optimizer, learning_rate, sequence_loss
 from xformer.runtime import Runtime, resolve_runtime
@@ -58,6 +61,7 @@ class TrainResult:
     train_seconds: float
     compute_seconds: float  # forward + backward + optimizer step
     data_seconds: float  # waiting for the next batch
+    loop_seconds: float  # whole training steps: batch, compute, logging (validation excluded)
     target_tokens: int
     device: str
     precision: str
@@ -65,8 +69,9 @@ class TrainResult:
 
     @property
     def loop_overhead(self) -> float:
-        """Share of loop time spent outside forward/backward/step, validation excluded."""
-        return self.data_seconds / max(self.compute_seconds, 1e-9)
+        """What the loop adds over forward + backward + step (batching, logging, progress
+        events), as a fraction of that compute time; validation is not part of the loop."""
+        return self.loop_seconds / max(self.compute_seconds, 1e-9) - 1.0
 
 
 @dataclass
@@ -79,6 +84,7 @@ class Progress:
     seconds: float = 0.0
     compute_seconds: float = 0.0
     data_seconds: float = 0.0
+    loop_seconds: float = 0.0
     target_tokens: int = 0
     best: dict | None = None
     bad_validations: int = 0
@@ -98,29 +104,43 @@ def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: b
                 diff = [k for k, v in asdict(getattr(recipe, section)).items() if asdict(getattr(old, section))[k] != v]
                 raise RunError(f"{saved}: the run was started with different [{section}] values "
                                f"({', '.join(diff)}); resume with the same recipe")
+        for key in ("seed", "accumulate_steps"):  # they fix the batch plan the resume point refers to
+            if getattr(old.train, key) != getattr(recipe.train, key):
+                raise RunError(f"{saved}: the run was started with train.{key} = {getattr(old.train, key)}, "
+                               f"found {getattr(recipe.train, key)}; a resumed run must keep it")
         return
     if out_dir.exists() and any(p.name not in ("tokenizer", "recipe.toml") for p in out_dir.iterdir()):
         if not overwrite:
             raise RunError(f"{out_dir}: run directory exists and is not empty; "
                            "pass --resume to continue it or --overwrite to replace it")
+        if not (saved.is_file() or (out_dir / "checkpoints").is_dir()):
+            raise RunError(f"{out_dir}: not a run directory (no recipe.toml or checkpoints/); "
+                           "--overwrite only replaces runs, choose another --out")
         shutil.rmtree(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
-def prepare_data(recipe: Recipe, run_dir: Path, emit: Event):
+def load_training_splits(recipe: Recipe, emit: Event):
+    """The raw train and validation splits; a single file cannot be both."""
+    d = recipe.data
+    if Path(d.dataset).expanduser().is_file():
+        raise DataError(f"data.dataset: {d.dataset} is a single file; training needs a folder or Hub id with "
+                        f"'{d.train_split}' and '{d.valid_split}' splits")
+    emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
+    fields = [d.source_lang, d.target_lang]
+    return load_split(d.dataset, d.train_split, fields), load_split(d.dataset, d.valid_split, fields)
+
+
+def prepare_data(recipe: Recipe, run_dir: Path, train_raw, valid_raw, emit: Event):
     """Tokenizer (trained when the run has none yet) and the encoded train / valid splits."""
     d = recipe.data
-    fields = [d.source_lang, d.target_lang]
-    emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
-    train_raw = load_split(d.dataset, d.train_split, fields)
-    valid_raw = load_split(d.dataset, d.valid_split, fields)
     if not tokenizer_dir(run_dir).is_dir():
         emit("setup", {"message": f"training a {d.vocab_size}-piece {d.tokenizer} sentencepiece model"})
     tokenizer = ensure_tokenizer(recipe, run_dir, train_raw)
     emit("setup", {"message": "tokenizing"})
     train = encode_split(train_raw, tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
     valid = encode_split(valid_raw, tokenizer, d.source_lang, d.target_lang)
-    return tokenizer, train, valid, valid_raw
+    return tokenizer, train, valid
 
 
 def run(
@@ -131,14 +151,19 @@ def run(
     emit = on_event or (lambda kind, payload: None)
     started = time.perf_counter()
     out_dir = Path(out_dir)
+    cfg = recipe.train
+    rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
+    train_raw, valid_raw = load_training_splits(recipe, emit)
     prepare_run_dir(out_dir, recipe, resume=resume, overwrite=overwrite)
     atomic_write_text(out_dir / "recipe.toml", recipe.to_toml())
-    cfg = recipe.train
-    rt: Runtime = resolve_runtime(device, cfg.precision)
     emit("setup", {"message": rt.describe()})
     torch.manual_seed(cfg.seed)
 
-    tokenizer, train_data, valid_data, valid_raw = prepare_data(recipe, out_dir, emit)
+    tokenizer, train_data, valid_data = prepare_data(recipe, out_dir, train_raw, valid_raw, emit)
+    batches = BatchIterator(train_data, max_tokens=recipe.data.max_tokens, seed=cfg.seed)
+    if len(batches) == 0:
+        raise DataError(f"{recipe.data.dataset}: no training pair has 1 to data.max_len = {recipe.data.max_len} "
+                        "pieces on both sides")
     model = build_translation_model(recipe, tokenizer).to(rt.device)
     optimizer = build_optimizer(model, cfg)
     progress = Progress()
@@ -147,12 +172,19 @@ def run(
         tensors, meta = read_checkpoint(last)
         load_model_weights(model, tensors, last)
         load_optimizer_state(optimizer, tensors, meta)
+        for group in optimizer.param_groups:  # the recipe's values, not the saved ones
+            group.update(betas=tuple(cfg.betas), eps=cfg.adam_eps,
+                         weight_decay=cfg.weight_decay if group["weight_decay"] else 0.0)
         progress = Progress(**meta["progress"])
         rt.load_state(tensors, meta)
+        done = _stop_reason(cfg, progress, progress.seconds, len(batches))
+        if done:
+            raise RunError(f"{out_dir}: the run already stopped by train.{done}; raise that limit "
+                           f"(e.g. --set train.{done}=...) to continue it")
         _truncate_metrics(out_dir / "metrics.jsonl", progress.step)
-    batches = BatchIterator(train_data, max_tokens=recipe.data.max_tokens, seed=cfg.seed)
     valid_batches = BatchIterator(valid_data, max_tokens=recipe.data.max_tokens, seed=cfg.seed, shuffle=False)
     refs = list(valid_raw[recipe.data.target_lang])
+    signals = _StopSignals()
     emit("start", {"steps_per_epoch": len(batches) // cfg.accumulate_steps, "step": progress.step,
                    "parameters": sum(p.numel() for p in model.parameters()), "run_dir": str(out_dir)})
 
@@ -180,17 +212,12 @@ def run(
     stop_reason = None
     log_loss, log_tokens, log_time = 0.0, 0, time.perf_counter()
     model.train()
-    try:
+    with signals:
         while stop_reason is None:
             epoch_iter = batches.iter_epoch(progress.epoch, skip=progress.batch_in_epoch)
             while True:
                 t0 = time.perf_counter()
-                group = []
-                for _ in range(cfg.accumulate_steps):
-                    batch = next(epoch_iter, None)
-                    if batch is None:
-                        break
-                    group.append(batch)
+                group = list(itertools.islice(epoch_iter, cfg.accumulate_steps))
                 if not group:
                     break
                 t1 = time.perf_counter()
@@ -199,7 +226,6 @@ def run(
                 for g in optimizer.param_groups:
                     g["lr"] = lr
                 n_tokens = sum(b["n_tgt_tokens"] for b in group)
-                loss_sum = 0.0
                 for batch in group:
                     src, tgt_in, tgt_out = (batch[k].to(rt.device, non_blocking=True)
                                             for k in ("src", "tgt_in", "tgt_out"))
@@ -208,7 +234,7 @@ def run(
                         logits = model(src, tgt_in, keep=keep)  # (N, V): real target positions only
                     loss = sequence_loss(logits, tgt_out[keep], PAD_ID, cfg.label_smoothing)
                     rt.backward(loss / n_tokens)
-                    loss_sum += loss.item()
+                    log_loss = log_loss + loss.detach()  # stays on the device: no sync per step
                 rt.step(optimizer, model, cfg.clip_norm)
                 optimizer.zero_grad(set_to_none=True)
                 t2 = time.perf_counter()
@@ -216,26 +242,31 @@ def run(
                 progress.data_seconds += t1 - t0
                 progress.compute_seconds += t2 - t1
                 progress.target_tokens += n_tokens
-                log_loss += loss_sum
                 log_tokens += n_tokens
-                if not math.isfinite(loss_sum):
-                    raise RuntimeError(f"loss is {loss_sum} at step {progress.step}; lower train.lr or use fp32")
                 if progress.step % cfg.log_every == 0:
                     now = time.perf_counter()
+                    mean_loss = float(log_loss) / log_tokens
+                    if not math.isfinite(mean_loss):
+                        raise RunError(f"train.lr: the loss is {mean_loss} by step {progress.step}; "
+                                       "lower train.lr, add warmup, or train in fp32")
                     record = {"kind": "train", "step": progress.step, "epoch": progress.epoch + 1,
-                              "loss": log_loss / log_tokens, "lr": lr,
+                              "loss": mean_loss, "lr": lr,
                               "tokens_per_s": log_tokens / (now - log_time), "seconds": elapsed()}
                     _append_jsonl(out_dir / "metrics.jsonl", record)
                     log_loss, log_tokens, log_time = 0.0, 0, now
                     emit("step", {**record, "fraction": fraction_done()})
                 else:
                     emit("tick", {"step": progress.step, "fraction": fraction_done()})
-                stop_reason = _stop_reason(cfg, progress, elapsed())
+                progress.loop_seconds += time.perf_counter() - t0
+                if signals.received:  # at a step boundary, so the checkpoint resumes exactly
+                    stop_reason = "interrupted"
+                    checkpoint(stop_reason)
+                    break
+                stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))
                 if progress.step % cfg.valid_every == 0 or stop_reason:
-                    stop_reason = _validate_and_save(
-                        model, recipe, tokenizer, valid_batches, valid_data, refs, rt, progress, out_dir,
-                        emit, elapsed,
-                    ) or stop_reason
+                    _validate_and_save(model, recipe, tokenizer, valid_batches, valid_data, refs, rt, progress,
+                                       out_dir, emit, elapsed)
+                    stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))  # patience, time
                     checkpoint(stop_reason)
                     log_time = time.perf_counter()
                     model.train()
@@ -244,17 +275,6 @@ def run(
             if stop_reason is None:
                 progress.epoch += 1
                 progress.batch_in_epoch = 0
-                if cfg.max_epochs and progress.epoch >= cfg.max_epochs:
-                    stop_reason = "max_epochs"
-                    if progress.history and progress.history[-1]["step"] == progress.step:
-                        checkpoint(stop_reason)
-                    else:
-                        _validate_and_save(model, recipe, tokenizer, valid_batches, valid_data, refs, rt,
-                                           progress, out_dir, emit, elapsed)
-                        checkpoint(stop_reason)
-    except KeyboardInterrupt:
-        checkpoint("interrupted")
-        raise
     if progress.kept:
         averaged = average_checkpoints([out_dir / "checkpoints" / k for k in progress.kept])
         load_model_weights(model, averaged)
@@ -264,7 +284,7 @@ def run(
         run_dir=str(out_dir), steps=progress.step,
         epochs=progress.epoch + progress.batch_in_epoch / max(1, len(batches)), stop_reason=stop_reason,
         best=progress.best, train_seconds=elapsed(), compute_seconds=progress.compute_seconds,
-        data_seconds=progress.data_seconds, target_tokens=progress.target_tokens, device=str(rt.device),
+        data_seconds=progress.data_seconds, loop_seconds=progress.loop_seconds, target_tokens=progress.target_tokens, device=str(rt.device),
         precision=rt.precision, history=progress.history,
     )
     atomic_write_text(out_dir / "train.json", json.dumps({**asdict(result), "loop_overhead": result.loop_overhead},
@@ -273,23 +293,51 @@ def run(
     return result
 
 
-def _stop_reason(cfg, progress: Progress, seconds: float) -> str | None:
+def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int) -> str | None:
+    """The limit that has been reached, if any (checked after every step and on resume)."""
     if cfg.max_steps and progress.step >= cfg.max_steps:
         return "max_steps"
     if cfg.max_time and seconds >= cfg.max_time * 60:
         return "max_time"
+    if cfg.max_epochs and progress.epoch + progress.batch_in_epoch / batches_per_epoch >= cfg.max_epochs:
+        return "max_epochs"
+    if cfg.patience and progress.bad_validations >= cfg.patience:
+        return "patience"
     return None
 
 
+class _StopSignals:
+    """Ctrl-C / SIGTERM during training: finish the current step, checkpoint, stop, so that
+    --resume continues exactly. A second signal acts at once (the default handler)."""
+
+    def __init__(self):
+        self.received: list[int] = []
+        self.previous = {}
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                self.previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def _handle(self, signum, frame):
+        self.received.append(signum)
+        signal.signal(signum, self.previous[signum])
+
+    def __exit__(self, *exc):
+        for sig, handler in self.previous.items():
+            signal.signal(sig, handler)
+
+
 def _validate_and_save(model, recipe, tokenizer, valid_batches, valid_data, refs, rt, progress, out_dir, emit,
-                       elapsed) -> str | None:
-    """Validate, write the step / best checkpoints; return "patience" when it is time to stop."""
+                       elapsed) -> None:
+    """Validate; write the step checkpoint (kept for averaging) and, on improvement, the best."""
     cfg = recipe.train
     scores = validate(model, tokenizer, valid_batches, valid_data, refs, recipe, rt,
                       with_bleu=cfg.best_metric == "bleu")
     record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch + 1, **scores, "seconds": elapsed()}
     key, sign = ("bleu", 1.0) if cfg.best_metric == "bleu" else ("loss", -1.0)
-    improved = progress.best is None or sign * scores[key] > sign * progress.best[key]
+    improved = progress.best is None or key not in progress.best or sign * scores[key] > sign * progress.best[key]
     if improved:
         progress.best = {"step": progress.step, **scores}
         progress.bad_validations = 0
@@ -307,9 +355,6 @@ def _validate_and_save(model, recipe, tokenizer, valid_batches, valid_data, refs
     progress.history.append(record)
     _append_jsonl(out_dir / "metrics.jsonl", record)
     emit("valid", record)
-    if cfg.patience and progress.bad_validations >= cfg.patience:
-        return "patience"
-    return None
 
 
 def _append_jsonl(path: Path, record: dict) -> None:
@@ -321,5 +366,11 @@ def _append_jsonl(path: Path, record: dict) -> None:
 def _truncate_metrics(path: Path, step: int) -> None:
     """On resume, drop records logged after the checkpoint: they are about to be redone."""
     if path.is_file():
-        keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+        keep = []
+        for line in path.read_text().splitlines():
+            try:
+                if json.loads(line)["step"] <= step:
+                    keep.append(line)
+            except (json.JSONDecodeError, KeyError, TypeError):
+                pass  # a line cut short by a kill
         atomic_write_text(path, "".join(line + "\n" for line in keep))
