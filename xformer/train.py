@@ -284,8 +284,9 @@ def run(
         run_dir=str(out_dir), steps=progress.step,
         epochs=progress.epoch + progress.batch_in_epoch / max(1, len(batches)), stop_reason=stop_reason,
         best=progress.best, train_seconds=elapsed(), compute_seconds=progress.compute_seconds,
-        data_seconds=progress.data_seconds, loop_seconds=progress.loop_seconds, target_tokens=progress.target_tokens, device=str(rt.device),
-        precision=rt.precision, history=progress.history,
+        data_seconds=progress.data_seconds, loop_seconds=progress.loop_seconds,
+        target_tokens=progress.target_tokens, device=str(rt.device), precision=rt.precision,
+        history=progress.history,
     )
     atomic_write_text(out_dir / "train.json", json.dumps({**asdict(result), "loop_overhead": result.loop_overhead},
                                                          indent=2))
