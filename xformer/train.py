@@ -229,10 +229,13 @@ def run(
                 for batch in group:
                     src, tgt_in, tgt_out = (batch[k].to(rt.device, non_blocking=True)
                                             for k in ("src", "tgt_in", "tgt_out"))
-                    keep = tgt_out.ne(PAD_ID)
+                    # On the CPU, project only real target positions (the largest matmul); on CUDA
+                    # the boolean index would cost a host sync per batch, so pad is masked instead.
+                    keep = tgt_out.ne(PAD_ID) if rt.device.type == "cpu" else None
                     with rt.autocast():
-                        logits = model(src, tgt_in, keep=keep)  # (N, V): real target positions only
-                    loss = sequence_loss(logits, tgt_out[keep], PAD_ID, cfg.label_smoothing)
+                        logits = model(src, tgt_in, keep=keep)  # (N, V) on the CPU, (B, T, V) on CUDA
+                    target = tgt_out[keep] if keep is not None else tgt_out
+                    loss = sequence_loss(logits, target, PAD_ID, cfg.label_smoothing)
                     rt.backward(loss / n_tokens)
                     log_loss = log_loss + loss.detach()  # stays on the device: no sync per step
                 rt.step(optimizer, model, cfg.clip_norm)
