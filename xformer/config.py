@@ -16,18 +16,13 @@ raw tables before validation, and so go through exactly the same checks.
 
 from __future__ import annotations
 
-import dataclasses
-import difflib
-import json
-import math
 import sys
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
-from xformer.errors import RecipeError
+from xformer.errors import RecipeError, RunError
+from xformer.strict import describe, did_you_mean, only_when, section_from_dict, section_to_dict, toml_value
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -52,12 +47,6 @@ Schedule = Literal["inverse_sqrt", "cosine", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 CheckpointChoice = Literal["best", "last", "averaged"]
 BestMetric = Literal["bleu", "loss"]
-
-
-def only_when(controlling_field: str, *values: str) -> dict:
-    """Field metadata: the field belongs to a variant and may be set only when
-    `controlling_field` (in the same table) has one of `values`."""
-    return {"only_when": (controlling_field, values)}
 
 
 @dataclass
@@ -258,13 +247,13 @@ class Recipe:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Stored fields only (no properties), leaving out fields of switched-off variants."""
-        return {name: _section_to_dict(getattr(self, name)) for name in SECTIONS}
+        return {name: section_to_dict(getattr(self, name)) for name in SECTIONS}
 
     def to_toml(self) -> str:
         lines: list[str] = []
         for section, values in self.to_dict().items():
             lines.append(f"[{section}]")
-            lines += [f"{key} = {_toml_value(value)}" for key, value in values.items()]
+            lines += [f"{key} = {toml_value(value)}" for key, value in values.items()]
             lines.append("")
         return "\n".join(lines)
 
@@ -297,13 +286,13 @@ def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe
     sections: dict[str, Any] = {}
     for name, value in raw.items():
         if name not in SECTIONS:
-            problems.append(f"{name}: unknown table{_did_you_mean(name, SECTIONS)}")
+            problems.append(f"{name}: unknown table{did_you_mean(name, SECTIONS)}")
         elif not isinstance(value, dict):
-            problems.append(f"{name}: expected a table [{name}], found {_describe(value)}")
+            problems.append(f"{name}: expected a table [{name}], found {describe(value)}")
     typed = True
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
-        sections[name], values_ok = _section_from_dict(
+        sections[name], values_ok = section_from_dict(
             cls, name, table if isinstance(table, dict) else {}, problems
         )
         if values_ok:  # range and cross-field rules only make sense once every value has its type
@@ -346,104 +335,11 @@ def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> se
     return touched
 
 
-def _section_from_dict(cls: type, section: str, table: dict, problems: list[str]) -> tuple[Any, bool]:
-    """The dataclass instance (bad values left at their defaults) and whether every value
-    had the right type."""
-    hints = typing.get_type_hints(cls)
-    known = {f.name: f for f in dataclasses.fields(cls)}
-    values, bad = {}, set()
-    for key, value in table.items():
-        if key not in known:
-            problems.append(f"{section}.{key}: unknown key{_did_you_mean(key, known)}")
-            continue
-        error = _type_problem(hints[key], value)
-        if error:
-            problems.append(f"{section}.{key}: {error}")
-            bad.add(key)
-        else:
-            values[key] = float(value) if hints[key] is float else value
-    instance = cls(**values)
-    for key in values:
-        rule = known[key].metadata.get("only_when")
-        if rule and rule[0] not in bad and getattr(instance, rule[0]) not in rule[1]:
-            allowed = " or ".join(repr(v) for v in rule[1])
-            problems.append(
-                f"{section}.{key}: applies only when {section}.{rule[0]} = {allowed}, "
-                f"found {section}.{rule[0]} = {getattr(instance, rule[0])!r}; remove it"
-            )
-    return instance, not bad
-
-
-def _section_to_dict(instance) -> dict[str, Any]:
-    out = {}
-    for f in dataclasses.fields(instance):
-        rule = f.metadata.get("only_when")
-        if rule and getattr(instance, rule[0]) not in rule[1]:
-            continue
-        value = getattr(instance, f.name)
-        if value is not None:  # TOML has no null; None fields are the default
-            out[f.name] = list(value) if isinstance(value, list) else value
-    return out
-
-
-def _type_problem(hint, value) -> str | None:
-    """None when `value` fits the annotation `hint`, else 'expected ..., found ...'."""
-    origin = typing.get_origin(hint)
-    if origin in (typing.Union, types.UnionType):  # `X | None`: TOML cannot say None
-        hint = next(a for a in typing.get_args(hint) if a is not type(None))
-        origin = typing.get_origin(hint)
-    if origin is Literal:
-        choices = typing.get_args(hint)
-        if value in choices and isinstance(value, str):
-            return None
-        listed = ", ".join(repr(c) for c in choices)
-        hint_text = _did_you_mean(value, choices) if isinstance(value, str) else ""
-        return f"expected one of {listed}, found {_describe(value)}{hint_text}"
-    if origin is list:
-        (item,) = typing.get_args(hint)
-        if not isinstance(value, list) or any(_type_problem(item, v) for v in value):
-            return f"expected a list of {_TYPE_NAMES[item]}s, found {_describe(value)}"
-        return None
-    ok = {
-        bool: isinstance(value, bool),
-        int: isinstance(value, int) and not isinstance(value, bool),
-        float: isinstance(value, (int, float)) and not isinstance(value, bool),
-        str: isinstance(value, str),
-    }[hint]
-    if ok and hint is float and not math.isfinite(value):
-        return f"expected a finite number, found {value}"
-    return None if ok else f"expected {_TYPE_NAMES[hint]}, found {_describe(value)}"
-
-
-_TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str: "a string"}
-
-
-def _describe(value) -> str:
-    kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
-            dict: "table"}.get(type(value), type(value).__name__)
-    return f"{json.dumps(value, default=str)} ({kind})"
-
-
-def _did_you_mean(word: str, candidates) -> str:
-    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
 def _locate(problem: str, source: str, overridden: set[str]) -> str:
     if problem.startswith("--set"):
         return problem
     key = problem.split(":", 1)[0]
     return f"--set {problem}" if key in overridden else f"{source}: {problem}"
-
-
-def _toml_value(value) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        return json.dumps(value, ensure_ascii=False)  # a JSON string is a TOML basic string
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    return repr(value)
 
 
 def _positive(cfg, *names: str) -> list[str]:
@@ -481,5 +377,5 @@ def load_run_recipe(run_dir: str | Path, overrides: list[str] | None = None) -> 
     """The resolved recipe a run was trained with (RUN/recipe.toml)."""
     path = Path(run_dir) / "recipe.toml"
     if not path.is_file():
-        raise RecipeError(f"{run_dir}: not a run directory (no recipe.toml)")
+        raise RunError(f"{run_dir}: not a run directory (no recipe.toml)")
     return load_recipe(path, overrides)
