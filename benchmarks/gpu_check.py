@@ -38,8 +38,8 @@ def flops_per_token(recipe, run_dir: Path) -> float:
     """Training FLOPs (forward + backward) per target token, counted on one real batch."""
     d = recipe.data
     tokenizer = ensure_tokenizer(recipe, run_dir)
-    train = encode_split(load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang]), tokenizer,
-                         d.source_lang, d.target_lang, max_len=d.max_len)
+    raw = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang], d.dataset_config or None)
+    train = encode_split(raw, tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
     batch = next(BatchIterator(train, d.max_tokens, seed=1).iter_epoch(0))
     model = build_translation_model(recipe, tokenizer)
     keep = batch["tgt_out"].ne(PAD_ID)

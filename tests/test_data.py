@@ -199,7 +199,7 @@ def test_parallel_text_line_counts_must_match(tmp_path):
 
 
 def test_hub_failures_point_to_a_local_copy(monkeypatch):
-    def offline(spec):
+    def offline(spec, config=None):
         raise ConnectionError("Couldn't reach 'someone/corpus' on the Hub (LocalEntryNotFoundError)")
 
     monkeypatch.setattr(corpus.datasets, "load_dataset", offline)
@@ -298,3 +298,14 @@ def test_batch_iterator_yields_each_pair_once_collated_within_budget(joint, mult
     rest = list(iterator.iter_epoch(0, skip=3))
     assert all(torch.equal(a["tgt_out"], b["tgt_out"]) for a, b in zip(rest, batches[3:], strict=True))
     assert not torch.equal(next(iterator.iter_epoch(1))["src"], batches[0]["src"])
+
+
+def test_a_nested_translation_column_becomes_one_column_per_language(tmp_path):
+    """The layout of the Hub's wmt14 / iwslt2017: {"translation": {"de": ..., "en": ...}}."""
+    rows = ['{"translation": {"de": "Ein Hund.", "en": "A dog."}}',
+            '{"translation": {"de": "Zwei Katzen.", "en": "Two cats."}}']
+    write(tmp_path / "c" / "train.jsonl", "\n".join(rows) + "\n")
+    split = load_split(str(tmp_path / "c"), "train", FIELDS)
+    assert split["de"] == ["Ein Hund.", "Zwei Katzen."] and split["en"] == ["A dog.", "Two cats."]
+    missing = data_error(load_split, str(tmp_path / "c"), "train", ["de", "fr"])
+    assert "no field 'de'" in missing or "no field 'fr'" in missing

@@ -116,6 +116,7 @@ class DataConfig:
     task: Task = "translation"
     # A Hub id ("bentrevett/multi30k") or a local folder or file (JSONL, TSV, parallel text).
     dataset: str = "bentrevett/multi30k"
+    dataset_config: str = ""  # a Hub dataset's configuration, e.g. "de-en" for wmt14; "" for none
     source_lang: str = field(default="de", metadata=only_when("task", "translation"))
     target_lang: str = field(default="en", metadata=only_when("task", "translation"))
     train_split: str = "train"

@@ -118,7 +118,8 @@ def evaluate_run(
     d = recipe.data
     spec = data if data is not None else d.dataset
     split = split or d.test_split
-    raw = load_split(spec, split, [d.source_lang, d.target_lang])
+    config = d.dataset_config or None if data is None else None  # a Hub configuration names the recipe's corpus
+    raw = load_split(spec, split, [d.source_lang, d.target_lang], config)
     sources = tokenizer.encode(list(raw[d.source_lang]), "source")
     beam = recipe.eval.beam if beam is None else beam
     lenpen = recipe.eval.lenpen if lenpen is None else lenpen

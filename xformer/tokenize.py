@@ -48,7 +48,7 @@ def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> T
                                "xformer tokenize --overwrite, or use another --out)")
         return Tokenizer.load(directory, d.source_lang, d.target_lang)
     if train_split is None:
-        train_split = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang])
+        train_split = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang], d.dataset_config or None)
     tokenizer = train_tokenizer(
         train_split, d.source_lang, d.target_lang, directory, model_type=d.tokenizer, vocab_size=d.vocab_size,
         joint=d.joint_vocab, character_coverage=d.character_coverage, byte_fallback=d.byte_fallback,
@@ -68,7 +68,7 @@ def tokenize_recipe(recipe: Recipe, run_dir: str | Path, *, overwrite: bool = Fa
                            "(a run trained with the old one cannot use it)")
         shutil.rmtree(directory)
     d = recipe.data
-    train = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang])
+    train = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang], d.dataset_config or None)
     tokenizer = ensure_tokenizer(recipe, run_dir, train)
     head = train.select(range(min(sample, len(train))))
     stats = {"directory": str(directory), "files": [str(f) for f in tokenizer.files], "joint": tokenizer.joint}

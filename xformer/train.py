@@ -128,7 +128,9 @@ def load_training_splits(recipe: Recipe, emit: Event):
                         f"'{d.train_split}' and '{d.valid_split}' splits")
     emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
     fields = [d.source_lang, d.target_lang]
-    return load_split(d.dataset, d.train_split, fields), load_split(d.dataset, d.valid_split, fields)
+    config = d.dataset_config or None
+    return (load_split(d.dataset, d.train_split, fields, config),
+            load_split(d.dataset, d.valid_split, fields, config))
 
 
 def prepare_data(recipe: Recipe, run_dir: Path, train_raw, valid_raw, emit: Event):

@@ -51,27 +51,32 @@ class _Source:
         self.where = ", ".join(map(str, files)) if len(files) <= 2 else f"{files[0]} (and {len(files) - 1} more)"
 
 
-def load_corpus(spec: str, fields: list[str]) -> datasets.DatasetDict:
-    """Every split of `spec`, each checked to have the columns `fields` (e.g. ["de", "en"])."""
+def load_corpus(spec: str, fields: list[str], config: str | None = None) -> datasets.DatasetDict:
+    """Every split of `spec`, each checked to have the columns `fields` (e.g. ["de", "en"]).
+    `config` names a Hub dataset's configuration (wmt14 has "de-en", ...)."""
     sources, _ = _sources(spec, fields)
     if sources is None:
-        corpus = _load_whole(spec)
+        corpus = _load_whole(spec, config)
+        corpus = datasets.DatasetDict({name: _lift_translation(split, fields) for name, split in corpus.items()})
         for name, split in corpus.items():
             _check(split, f"{spec} (split '{name}')", fields, "rows")
         return corpus
     return datasets.DatasetDict({name: _load_source(source, fields) for name, source in sources.items()})
 
 
-def load_split(spec: str, split: str, fields: list[str]) -> datasets.Dataset:
+def load_split(spec: str, split: str, fields: list[str], config: str | None = None) -> datasets.Dataset:
     """One split of `spec`, checked to have the columns `fields`. A single file is its own
-    split whatever `split` says, so `--set data.dataset=newstest2014.jsonl` evaluates on it."""
+    split whatever `split` says, so `--set data.dataset=newstest2014.jsonl` evaluates on it.
+    Pairs kept in one nested `translation` column ({"de": ..., "en": ...}, the layout of the
+    Hub's wmt14 and iwslt2017) become one column per language."""
     sources, single_file = _sources(spec, fields)
     if sources is None:
-        corpus = _load_whole(spec)
+        corpus = _load_whole(spec, config)
         if split not in corpus:
             raise DataError(_no_split(spec, split, list(corpus)))
-        _check(corpus[split], f"{spec} (split '{split}')", fields, "rows")
-        return corpus[split]
+        rows = _lift_translation(corpus[split], fields)
+        _check(rows, f"{spec} (split '{split}')", fields, "rows")
+        return rows
     if single_file:
         (source,) = sources.values()
     elif split in sources:
@@ -211,9 +216,21 @@ def _load_source(source: _Source, fields: list[str]) -> datasets.Dataset:
     if source.kind == "text":
         split = _load_parallel_text(source, fields)
     else:
-        split = _build(source, fields)
+        split = _lift_translation(_build(source, fields), fields)
     _check(split, source.where, fields, source.kind)
     return split
+
+
+def _lift_translation(split: datasets.Dataset, fields: list[str]) -> datasets.Dataset:
+    """A nested `translation` column holding every field -> one column per field; else as is."""
+    if all(f in split.column_names for f in fields) or "translation" not in split.column_names:
+        return split
+    feature = split.features["translation"]
+    languages = getattr(feature, "languages", None) or (list(feature) if isinstance(feature, dict) else [])
+    if not all(f in languages for f in fields):
+        return split  # _check names the missing field
+    return split.map(lambda batch: {f: [pair[f] for pair in batch["translation"]] for f in fields},
+                     batched=True, remove_columns=["translation"], desc="Flattening translation pairs")
 
 
 def _build(source: _Source, fields: list[str]) -> datasets.Dataset:
@@ -320,11 +337,11 @@ def _load_parallel_text(source: _Source, fields: list[str]) -> datasets.Dataset:
     return datasets.concatenate_datasets([rows for _, rows in columns], axis=1)
 
 
-def _load_whole(spec: str) -> datasets.DatasetDict:
+def _load_whole(spec: str, config: str | None = None) -> datasets.DatasetDict:
     """A Hub id, or a local folder in a format only datasets knows."""
     local = Path(spec).expanduser().is_dir()
     try:
-        return datasets.load_dataset(str(Path(spec).expanduser()) if local else spec)
+        return datasets.load_dataset(str(Path(spec).expanduser()) if local else spec, config)
     except Exception as exc:  # network, missing repo, auth, bad files: all the user's to fix
         reason = f"{type(exc).__name__}: {_first_line(exc)}"
         if local:
