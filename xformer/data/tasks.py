@@ -17,8 +17,9 @@ ListOps -- Long Range Arena, Tay et al. 2020 (arXiv:2011.04006), after Nangia & 
   * rejection sampling keeps a tree only when min_length < length < max_length (strict, as
     in LRA), and duplicate sequences are dropped (LRA collects its samples in a set)
 
-  The draws are the same `random.Random` calls in the same order as LRA's `random` module,
-  so `random.seed(s)` there and `seed=s` here produce the same accepted trees.
+  The distribution of accepted trees is LRA's; the random stream is not (each draw is one
+  `random()` call, and a tree is abandoned once it reaches max_length), so the same integer
+  seed does not reproduce LRA's files.
 
   min_length rule: LRA uses max_length=2000, min_length=500; we keep that ratio,
   min_length = max_length // 4, so every length in the 64..2000 sweep keeps LRA's shape.
@@ -89,21 +90,48 @@ def _apply(op: str, args: list[int]) -> int:
     raise ValueError(f"unknown ListOps operator {op!r}")
 
 
-def _tree(rng: random.Random, depth: int, out: list[str]) -> int:
-    """Append one LRA generate_tree() draw to `out` as tokens; return its value."""
-    r = rng.random() if depth < MAX_DEPTH else 1.0
-    if r > VALUE_P:
-        value = rng.choice(VALUES)
-        out.append(str(value))
-        return value
-    n_args = rng.randint(2, MAX_ARGS)
+class _TooLong(Exception):
+    pass
+
+
+_DIGITS = [str(v) for v in VALUES]
+
+
+def _operator(rng: random.Random, depth: int, out: list[str], limit: int) -> int:
+    """Append an operator node at `depth` (LRA's r <= VALUE_P branch) to `out`; return its value.
+
+    Same draws as LRA's generate_tree, in the same order, each one `rng.random()` for speed
+    (uniform up to float rounding): n_args in 2..MAX_ARGS, then each argument (operator with
+    probability VALUE_P below MAX_DEPTH, else a digit), then the operator last. Raises
+    _TooLong once `out` reaches `limit` tokens: LRA would reject that tree anyway, so
+    abandoning it early leaves the distribution of accepted trees unchanged.
+    """
+    n_args = 2 + int(rng.random() * (MAX_ARGS - 1))
     start = len(out)
     out.append("")  # the operator's slot: LRA draws it after the arguments
-    args = [_tree(rng, depth + 1, out) for _ in range(n_args)]
-    op = rng.choice(OPERATORS)
+    args = []
+    for _ in range(n_args):
+        if depth + 1 < MAX_DEPTH and rng.random() <= VALUE_P:
+            args.append(_operator(rng, depth + 1, out, limit))
+        else:  # digits are most nodes, so they are inlined here
+            value = int(rng.random() * 10)
+            out.append(_DIGITS[value])
+            if len(out) >= limit:
+                raise _TooLong
+            args.append(value)
+    op = OPERATORS[int(rng.random() * len(OPERATORS))]
     out[start] = op
     out.append(END)
     return _apply(op, args)
+
+
+def _tree(rng: random.Random, out: list[str], limit: int) -> int:
+    """One LRA generate_tree(depth=1) draw appended to `out` as tokens; its value."""
+    if 1 < MAX_DEPTH and rng.random() <= VALUE_P:
+        return _operator(rng, 1, out, limit)
+    value = int(rng.random() * 10)
+    out.append(_DIGITS[value])
+    return value
 
 
 def listops_min_length(max_length: int) -> int:
@@ -122,7 +150,10 @@ def generate_listops(n: int, max_length: int, seed: int) -> list[tuple[list[int]
     data: list[tuple[list[int], int]] = []
     while len(data) < n:
         tokens: list[str] = []
-        value = _tree(rng, 1, tokens)
+        try:
+            value = _tree(rng, tokens, max_length)
+        except _TooLong:
+            continue
         if min_length < len(tokens) < max_length:
             ids = tuple(index[t] for t in tokens)
             if ids not in seen:

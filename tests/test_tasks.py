@@ -1,0 +1,137 @@
+"""Synthetic classification tasks: ListOps (LRA) and multi-query associative recall."""
+
+from collections import Counter
+from statistics import median
+
+import pytest
+
+from xformer.data.tasks import (
+    TASKS,
+    evaluate_listops,
+    generate_listops,
+    generate_recall,
+    listops_spec,
+    recall_spec,
+    task_splits,
+)
+
+
+def interpret(tokens: list[str]) -> int:
+    """A recursive ListOps interpreter, written apart from the generator (LRA's semantics)."""
+    ops = {
+        "[MAX": max,
+        "[MIN": min,
+        "[MED": lambda a: int(median(a)),  # LRA: int(np.median(a)); statistics.median averages too
+        "[SM": lambda a: sum(a) % 10,
+    }
+
+    def parse(i: int) -> tuple[int, int]:
+        if tokens[i] not in ops:
+            return int(tokens[i]), i + 1
+        op, args, i = tokens[i], [], i + 1
+        while tokens[i] != "]":
+            value, i = parse(i)
+            args.append(value)
+        assert len(args) >= 2
+        return ops[op](args), i + 1
+
+    value, end = parse(0)
+    assert end == len(tokens)
+    return value
+
+
+def test_interpreter_semantics():
+    assert interpret("[MAX 2 9 [MIN 4 7 ] 0 ]".split()) == 9
+    assert interpret("[MED 3 4 ]".split()) == 3  # median 3.5, truncated as LRA's int()
+    assert interpret("[MED 1 8 2 ]".split()) == 2
+    assert interpret("[SM 9 8 [MAX 1 5 ] ]".split()) == 2
+    assert evaluate_listops("[MED 3 4 ]".split()) == 3
+
+
+@pytest.mark.parametrize("max_length", [64, 256])
+def test_listops_lengths_labels_and_evaluator(max_length):
+    spec = listops_spec()
+    assert spec.vocab[spec.pad_id] == "<pad>" and spec.n_classes == 10
+    data = generate_listops(300, max_length, seed=0)
+    assert len(data) == 300
+    assert len({tuple(ids) for ids, _ in data}) == 300  # LRA keeps a set: no duplicates
+    for ids, label in data:
+        assert max_length // 4 < len(ids) < max_length  # LRA's strict bounds, min = max // 4
+        assert spec.pad_id not in ids
+        tokens = [spec.vocab[i] for i in ids]
+        assert tokens[0].startswith("[")  # a lone digit is never long enough
+        assert label == interpret(tokens) == evaluate_listops(tokens)
+    counts = Counter(label for _, label in data)
+    assert len(counts) >= 8 and max(counts.values()) < 0.3 * len(data)
+
+
+def test_listops_uses_every_operator_and_reaches_depth():
+    spec = listops_spec()
+    data = generate_listops(200, 256, seed=1)
+    seen = Counter(spec.vocab[i] for ids, _ in data for i in ids)
+    assert all(seen[op] > 0 for op in ["[MAX", "[MIN", "[MED", "[SM"])
+    depths = []
+    for ids, _ in data:
+        depth = deepest = 0
+        for i in ids:
+            depth += spec.vocab[i].startswith("[")
+            depth -= spec.vocab[i] == "]"
+            deepest = max(deepest, depth)
+        depths.append(deepest)
+    assert max(depths) <= 9  # LRA's max_depth=10 counts the digit leaves' level
+    assert max(depths) >= 6
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_deterministic_by_seed(name):
+    generate = TASKS[name][1]
+    assert generate(50, 128, 3) == generate(50, 128, 3)
+    assert generate(50, 128, 3) != generate(50, 128, 4)
+
+
+@pytest.mark.parametrize("seq_len", [64, 101, 2000])
+def test_recall_labels_are_the_last_query_binding(seq_len):
+    spec = recall_spec()
+    n_queries = 4
+    data = generate_recall(200 if seq_len < 2000 else 20, seq_len, seed=0, n_queries=n_queries)
+    n_pairs = (seq_len - n_queries) // 2
+    for ids, label in data:
+        assert len(ids) == 2 * n_pairs + n_queries and seq_len - 1 <= len(ids) <= seq_len
+        tokens = [spec.vocab[i] for i in ids]
+        keys, values = tokens[0 : 2 * n_pairs : 2], tokens[1 : 2 * n_pairs : 2]
+        queries = tokens[2 * n_pairs :]
+        assert all(k.startswith("k") for k in keys + queries) and all(v.startswith("v") for v in values)
+        assert len(set(keys)) == n_pairs and len(set(queries)) == n_queries
+        binding = dict(zip(keys, values, strict=True))
+        assert f"v{label}" == binding[queries[-1]]
+        assert 0 <= label < spec.n_classes
+
+
+def test_recall_labels_roughly_uniform():
+    spec = recall_spec()
+    labels = Counter(label for _, label in generate_recall(3200, 64, seed=5))
+    expected = 3200 / spec.n_classes
+    assert len(labels) == spec.n_classes
+    assert all(0.6 * expected < c < 1.4 * expected for c in labels.values())
+
+
+def test_recall_spec_sizes_and_custom_vocab():
+    spec = recall_spec(n_keys=40, n_values=5)
+    assert len(spec.vocab) == 1 + 40 + 5 and spec.n_classes == 5 and spec.vocab[0] == "<pad>"
+    for ids, label in generate_recall(20, 60, seed=0, n_keys=40, n_values=5):
+        assert max(ids) < len(spec.vocab) and 0 <= label < 5
+    with pytest.raises(ValueError):
+        generate_recall(1, 100, seed=0, n_keys=40)  # 48 pairs need 48 distinct keys
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_task_splits_sizes_determinism_and_disjoint_seeds(name):
+    splits = task_splits(name, 40, 10, 10, 256, seed=0)
+    assert {k: len(v) for k, v in splits.items()} == {"train": 40, "valid": 10, "test": 10}
+    assert splits == task_splits(name, 40, 10, 10, 256, seed=0)
+    seqs = {k: {tuple(ids) for ids, _ in v} for k, v in splits.items()}
+    assert not (seqs["train"] & seqs["valid"] or seqs["train"] & seqs["test"] or seqs["valid"] & seqs["test"])
+    assert splits["train"][:10] != splits["valid"] and splits["valid"] != splits["test"]
+    assert task_splits(name, 40, 10, 10, 256, seed=1)["train"] != splits["train"]
+    with pytest.raises(ValueError):
+        task_splits("nope", 1, 1, 1, 64, seed=0)
