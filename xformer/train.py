@@ -157,7 +157,6 @@ def run(
     rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
     train_raw, valid_raw = load_training_splits(recipe, emit)
     prepare_run_dir(out_dir, recipe, resume=resume, overwrite=overwrite)
-    atomic_write_text(out_dir / "recipe.toml", recipe.to_toml())
     emit("setup", {"message": rt.describe()})
     torch.manual_seed(cfg.seed)
 
@@ -184,6 +183,7 @@ def run(
             raise RunError(f"{out_dir}: the run already stopped by train.{done}; raise that limit "
                            f"(e.g. --set train.{done}=...) to continue it")
         _truncate_metrics(out_dir / "metrics.jsonl", progress.step)
+    atomic_write_text(out_dir / "recipe.toml", recipe.to_toml())  # as resolved, new limits included
     valid_batches = BatchIterator(valid_data, max_tokens=recipe.data.max_tokens, seed=cfg.seed, shuffle=False)
     refs = list(valid_raw[recipe.data.target_lang])
     signals = _StopSignals()
