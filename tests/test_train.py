@@ -209,3 +209,19 @@ def test_an_existing_tokenizer_must_match_the_recipe(trained, corpus, tmp_path):
     out, _ = trained
     with pytest.raises(RunError, match="trained with vocab_size = 300; the recipe says vocab_size = 400"):
         ensure_tokenizer(tiny_recipe(corpus, "data.vocab_size=400", "train.max_steps=1"), out)
+
+
+def test_averaging_is_the_elementwise_mean_and_keeps_ties(tmp_path):
+    from xformer.checkpoint import average_checkpoints, load_model_weights, save_checkpoint
+    from xformer.config import ModelConfig
+    from xformer.model.build import build_model
+
+    cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1, tie_embeddings="all")
+    a, b = build_model(cfg, 30), build_model(cfg, 30)
+    save_checkpoint(tmp_path / "a.safetensors", a, meta={})
+    save_checkpoint(tmp_path / "b.safetensors", b, meta={})
+    mean = build_model(cfg, 30, init=False)
+    load_model_weights(mean, average_checkpoints([tmp_path / "a.safetensors", tmp_path / "b.safetensors"]))
+    for (name, pa), pb, pm in zip(a.named_parameters(), b.parameters(), mean.parameters(), strict=True):
+        torch.testing.assert_close(pm, (pa + pb) / 2, msg=name)
+    assert mean.output.weight is mean.encoder.embed.embedding.weight

@@ -107,13 +107,14 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
     """Element-wise mean of the `model.*` tensors of several checkpoints (Vaswani et al. 2017
     average the last 5 or 20), in float64 to keep the sum exact, cast back to the stored dtype."""
     total: dict[str, torch.Tensor] = {}
+    dtypes: dict[str, torch.dtype] = {}
     for path in paths:
         tensors, _ = read_checkpoint(path)
         for k, v in tensors.items():
             if k.startswith("model."):
                 total[k] = total[k] + v.double() if k in total else v.double()
-    first, _ = read_checkpoint(paths[0])
-    return {k: (v / len(paths)).to(first[k].dtype) for k, v in total.items()}
+                dtypes.setdefault(k, v.dtype)
+    return {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
 
 
 def _atomic_write(path: Path, write) -> None:
