@@ -47,10 +47,9 @@ class TrainDisplay:
                 self.task, completed=payload["fraction"] * TOTAL, step=payload["step"], epoch=payload["epoch"],
                 loss=f"{payload['loss']:.3f}", lr=f"{payload['lr']:.2e}", tps=f"{payload['tokens_per_s']:,.0f}")
         elif kind == "valid":
-            bleu = f" bleu {payload['bleu']:.2f}" if "bleu" in payload else ""
+            extra = "".join(f" {key} {payload[key]:.2f}" for key in ("ppl", "bleu", "accuracy") if key in payload)
             mark = " [green]best[/green]" if payload.get("best") else ""
-            self.progress.console.print(
-                f"step {payload['step']}: valid loss {payload['loss']:.3f} ppl {payload['ppl']:.2f}{bleu}{mark}")
+            self.progress.console.print(f"step {payload['step']}: valid loss {payload['loss']:.3f}{extra}{mark}")
 
 
 def score_table(title: str, rows: dict) -> Table:

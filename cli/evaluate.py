@@ -9,6 +9,7 @@ from pathlib import Path
 import typer
 from rich.console import Console
 from rich.progress import Progress
+from rich.table import Table
 
 from xformer.errors import DataError
 from xformer.evaluate import evaluate_run, translate_lines
@@ -29,7 +30,8 @@ def evaluate(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print eval.json instead of a table."),
 ) -> None:
-    """Translate a test set with beam search and score it: sacreBLEU (cased and lowercased) and chrF."""
+    """Score a run on a test set: translation with beam search, sacreBLEU (cased and lowercased)
+    and chrF; classification with accuracy and a confusion matrix."""
     console = Console(stderr=True)
     with Progress(console=console, transient=True) as progress:
         task = progress.add_task("decoding", total=None)
@@ -39,10 +41,28 @@ def evaluate(
     if as_json:
         typer.echo(json.dumps(report))
         return
+    if "accuracy" in report:
+        show_classification(run, report)
+        return
     rows = {k: report[k] for k in ("bleu", "bleu_lc", "chrf", "n_sentences", "checkpoint", "beam", "lenpen")}
     rows["sentences/s"] = report["sentences_per_s"]
     Console().print(score_table(f"{run}: {report['split'] or report['data']}", rows))
     Console().print(f"[dim]{report['signature']}[/dim]\n[dim]hypotheses: {report['hypotheses']}[/dim]")
+
+
+def show_classification(run: Path, report: dict) -> None:
+    rows = {k: report[k] for k in ("accuracy", "majority_accuracy", "loss", "n_examples", "checkpoint")}
+    console = Console()
+    console.print(score_table(f"{run}: {report['task']} {report['split']}", rows))
+    if "confusion" in report:
+        table = Table(title="confusion (rows: true, columns: predicted)", header_style="bold")
+        table.add_column("")
+        for label in report["labels"]:
+            table.add_column(label, justify="right")
+        for label, row in zip(report["labels"], report["confusion"], strict=True):
+            table.add_row(label, *(str(c) for c in row))
+        console.print(table)
+    console.print(f"[dim]predictions: {report['predictions']}[/dim]")
 
 
 @user_errors

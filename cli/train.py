@@ -41,9 +41,10 @@ def train(
                      on_event=display)
     summary = {"run": result.run_dir, "steps": result.steps, "epochs": round(result.epochs, 2),
                "stopped by": result.stop_reason, "minutes": result.train_seconds / 60,
-               "best step": (result.best or {}).get("step"), "best valid bleu": (result.best or {}).get("bleu"),
+               "best step": (result.best or {}).get("step"),
+               **{f"best valid {key}": result.best[key] for key in ("bleu", "accuracy") if key in (result.best or {})},
                "best valid loss": (result.best or {}).get("loss"), "loop overhead %": 100 * result.loop_overhead,
-               "device": result.device, "precision": result.precision}
+               "peak memory MB": result.peak_memory_mb, "device": result.device, "precision": result.precision}
     if as_json:
         typer.echo(json.dumps(summary))
     else:

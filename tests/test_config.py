@@ -107,7 +107,7 @@ def test_saved_recipe_round_trips(tmp_path):
 def test_switched_off_fields_are_left_out_of_saved_recipes():
     saved = Recipe(model=ModelConfig(arch="classifier")).to_dict()
     assert "n_decoder_layers" not in saved["model"] and "tie_embeddings" not in saved["model"]
-    assert saved["model"]["pooling"] == "cls"
+    assert saved["model"]["pooling"] == "mean"
 
 
 def test_missing_and_invalid_files(tmp_path):

@@ -1,4 +1,4 @@
-"""Every recipe in recipes/ loads, validates, and builds (shrunk to a tiny size)."""
+"""Every recipe and sweep in recipes/ loads, validates, and builds (shrunk to a tiny size)."""
 
 from pathlib import Path
 
@@ -6,25 +6,46 @@ import pytest
 import torch
 
 from xformer.config import load_recipe
+from xformer.longrange import MODELS, load_sweep, row_recipe
 from xformer.model.build import build_for_recipe
 
-RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.toml"))
-TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=32",
-        "model.n_encoder_layers=1", "data.vocab_size=50"]
+FILES = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.toml"))
+SWEEPS = [p for p in FILES if p.read_text().count("[sweep]")]
+RECIPES = [p for p in FILES if p not in SWEEPS]
+TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=32", "model.n_encoder_layers=1"]
 
 
-def test_there_are_recipes():
-    assert RECIPES
+def name(path: Path) -> str:
+    return str(path.relative_to(path.parents[1]))
 
 
-@pytest.mark.parametrize("path", RECIPES, ids=lambda p: str(p.relative_to(p.parents[1])))
+def test_there_are_recipes_and_sweeps():
+    assert RECIPES and SWEEPS
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=name)
 def test_recipe_builds_and_runs_at_tiny_size(path):
     recipe = load_recipe(path)
     assert recipe.model.d_model % recipe.model.n_heads == 0
-    text = path.read_text()
-    assert text.startswith("#"), "a recipe opens with a comment: what it reproduces, the command, the result"
-    tiny = load_recipe(path, TINY + (["model.n_decoder_layers=1"] if recipe.model.arch == "seq2seq" else []))
-    model = build_for_recipe(tiny).eval()
-    tokens = torch.randint(1, 50, (2, 5))
+    assert path.read_text().startswith("#"), "a recipe opens with a comment: what, the command, the result"
+    extra = {"seq2seq": ["model.n_decoder_layers=1"], "lstm": ["model.lstm_hidden=8"]}.get(recipe.model.arch, [])
+    if recipe.data.task in ("translation", "classification"):
+        extra.append("data.vocab_size=50")
+    model = build_for_recipe(load_recipe(path, TINY + extra)).eval()
+    tokens = torch.randint(1, 16, (2, 5))  # ids every vocabulary has (ListOps has 16)
     out = model(tokens, tokens) if recipe.model.arch == "seq2seq" else model(tokens)
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("path", SWEEPS, ids=name)
+def test_sweep_loads_and_its_lstm_matches_the_transformer(path):
+    assert path.read_text().startswith("#")
+    sweep = load_sweep(path)
+    length = sweep.config.lengths[-1]
+    recipes = {m: row_recipe(sweep, m, length, sweep.config.seeds[0]) for m in MODELS}
+    assert recipes["transformer"].data.max_len == length <= recipes["transformer"].model.max_positions - 1
+    if sweep.config.match_parameters:
+        from xformer.longrange import parameters
+
+        t, lstm = parameters(recipes["transformer"]), parameters(recipes["lstm"])
+        assert abs(lstm - t) / t < 0.10

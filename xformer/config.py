@@ -32,21 +32,28 @@ else:  # pragma: no cover - Python 3.10
 # One Literal per variant axis; each has a dict of implementations next to its modules
 # (POSITIONAL in model/positional.py, NORMS in model/norms.py, ...), and a test checks
 # that every word here has an entry there.
-Arch = Literal["seq2seq", "classifier"]
+Arch = Literal["seq2seq", "classifier", "lstm"]
 Positional = Literal["sinusoidal", "learned"]
 NormPosition = Literal["post", "pre"]
 Norm = Literal["layernorm", "rmsnorm"]
 Activation = Literal["relu", "gelu"]
 AttentionBackend = Literal["sdpa", "explicit"]
 TieEmbeddings = Literal["none", "decoder", "all"]
-Pooling = Literal["cls", "mean"]
-Task = Literal["translation"]
-SpmModel = Literal["unigram", "bpe"]
+# "cls", "mean" and "last" for the Transformer classifier; "last", "mean" and "max" for the LSTM
+Pooling = Literal["cls", "mean", "last", "max"]
+Task = Literal["translation", "listops", "recall", "classification"]
+# sentencepiece models (translation, classification) or fixed schemes (classification only)
+Tokenization = Literal["unigram", "bpe", "char", "byte", "whitespace"]
 Optimizer = Literal["adam", "adamw"]
 Schedule = Literal["inverse_sqrt", "cosine", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 CheckpointChoice = Literal["best", "last", "averaged"]
-BestMetric = Literal["bleu", "loss"]
+BestMetric = Literal["auto", "bleu", "accuracy", "loss"]
+
+SYNTHETIC_TASKS = ("listops", "recall")
+CORPUS_TASKS = ("translation", "classification")
+TRANSFORMER_POOLING = ("cls", "mean", "last")
+LSTM_POOLING = ("last", "mean", "max")
 
 
 @dataclass
@@ -73,7 +80,13 @@ class ModelConfig:
     attention_backend: AttentionBackend = "sdpa"
     scale_embeddings: bool = True
     tie_embeddings: TieEmbeddings = field(default="decoder", metadata=only_when("arch", "seq2seq"))
-    pooling: Pooling = field(default="cls", metadata=only_when("arch", "classifier"))
+    pooling: Pooling = field(default="mean", metadata=only_when("arch", "classifier", "lstm"))
+    # The LSTM baseline (arch = "lstm"): embeddings of d_model, lstm_layers layers of lstm_hidden
+    # units; lstm_hidden = 0 sizes it to the parameter count of the Transformer classifier that
+    # the same table describes (d_model, n_heads, d_ff, n_encoder_layers, ...).
+    lstm_hidden: int = field(default=0, metadata=only_when("arch", "lstm"))
+    lstm_layers: int = field(default=1, metadata=only_when("arch", "lstm"))
+    bidirectional: bool = field(default=True, metadata=only_when("arch", "lstm"))
 
     @property
     def head_dim(self) -> int:
@@ -102,6 +115,13 @@ class ModelConfig:
                 f"model.n_kv_heads: expected a divisor of model.n_heads = {self.n_heads}, "
                 f"found {self.kv_heads}"
             )
+        if self.arch == "classifier" and self.pooling not in TRANSFORMER_POOLING:
+            out.append(f"model.pooling: the Transformer classifier pools by 'cls', 'mean' or 'last', "
+                       f"found {self.pooling!r}")
+        if self.arch == "lstm":
+            if self.pooling not in LSTM_POOLING:
+                out.append(f"model.pooling: the LSTM pools by 'last', 'mean' or 'max', found {self.pooling!r}")
+            out += _positive(self, "lstm_layers") + _non_negative(self, "lstm_hidden")
         if self.positional == "sinusoidal" and self.n_heads > 0 and self.d_model % 2:
             out.append(
                 f"model.d_model: sinusoidal positions need an even d_model, found {self.d_model}"
@@ -111,27 +131,43 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """[data]: where the corpus comes from, how it is tokenized and batched."""
+    """[data]: where the examples come from, how they are tokenized and batched.
+
+    task "translation": sentence pairs from a corpus (Hub id or local JSONL/TSV/parallel text);
+    "classification": a corpus with a text and a label field; "listops" and "recall": generated
+    from data.seed (xformer/data/tasks.py), data.max_len long. max_len means: translation pairs
+    longer are dropped, classification texts are truncated, ListOps lengths lie strictly between
+    max_len // 4 and max_len (LRA), recall sequences have max_len tokens.
+    """
 
     task: Task = "translation"
     # A Hub id ("bentrevett/multi30k") or a local folder or file (JSONL, TSV, parallel text).
-    dataset: str = "bentrevett/multi30k"
-    dataset_config: str = ""  # a Hub dataset's configuration, e.g. "de-en" for wmt14; "" for none
+    dataset: str = field(default="bentrevett/multi30k", metadata=only_when("task", *CORPUS_TASKS))
+    # a Hub dataset's configuration, e.g. "de-en" for wmt14; "" for none
+    dataset_config: str = field(default="", metadata=only_when("task", *CORPUS_TASKS))
     source_lang: str = field(default="de", metadata=only_when("task", "translation"))
     target_lang: str = field(default="en", metadata=only_when("task", "translation"))
-    train_split: str = "train"
-    valid_split: str = "validation"
-    test_split: str = "test"
-    tokenizer: SpmModel = "unigram"  # sentencepiece model type
-    vocab_size: int = 8000
-    joint_vocab: bool = True  # one vocabulary for both languages
-    character_coverage: float = 1.0
-    byte_fallback: bool = False
-    max_len: int = 256  # training pairs longer than this (in tokens, either side) are dropped
+    text_field: str = field(default="text", metadata=only_when("task", "classification"))
+    label_field: str = field(default="label", metadata=only_when("task", "classification"))
+    train_split: str = field(default="train", metadata=only_when("task", *CORPUS_TASKS))
+    valid_split: str = field(default="validation", metadata=only_when("task", *CORPUS_TASKS))
+    test_split: str = field(default="test", metadata=only_when("task", *CORPUS_TASKS))
+    # generated tasks: split sizes and the seed of the data (train.seed seeds the model)
+    n_train: int = field(default=20000, metadata=only_when("task", *SYNTHETIC_TASKS))
+    n_valid: int = field(default=1000, metadata=only_when("task", *SYNTHETIC_TASKS))
+    n_test: int = field(default=1000, metadata=only_when("task", *SYNTHETIC_TASKS))
+    seed: int = field(default=0, metadata=only_when("task", *SYNTHETIC_TASKS))
+    n_queries: int = field(default=4, metadata=only_when("task", "recall"))
+    tokenizer: Tokenization = field(default="unigram", metadata=only_when("task", *CORPUS_TASKS))
+    vocab_size: int = field(default=8000, metadata=only_when("task", *CORPUS_TASKS))
+    joint_vocab: bool = field(default=True, metadata=only_when("task", "translation"))
+    character_coverage: float = field(default=1.0, metadata=only_when("task", *CORPUS_TASKS))
+    byte_fallback: bool = field(default=False, metadata=only_when("task", *CORPUS_TASKS))
+    max_len: int = 256
     max_tokens: int = 4096  # padded tokens per batch, source or target side, whichever is larger
 
     def problems(self) -> list[str]:
-        out = _positive(self, "vocab_size", "max_len", "max_tokens")
+        out = _positive(self, "vocab_size", "max_len", "max_tokens", "n_train", "n_valid", "n_test", "n_queries")
         if not 0 < self.character_coverage <= 1:
             out.append(
                 "data.character_coverage: expected a number in (0, 1], "
@@ -142,7 +178,19 @@ class DataConfig:
                 "data.target_lang: expected a language other than data.source_lang, "
                 f"found {self.target_lang!r} for both"
             )
+        if self.task == "translation" and self.tokenizer not in ("unigram", "bpe"):
+            out.append(f"data.tokenizer: translation uses sentencepiece 'unigram' or 'bpe', found {self.tokenizer!r}")
+        if self.task == "listops" and self.max_len < 8:
+            out.append(f"data.max_len: ListOps needs lengths strictly between max_len // 4 and max_len; "
+                       f"expected at least 8, found {self.max_len}")
+        if self.task == "recall" and self.max_len < 3 * self.n_queries:
+            out.append(f"data.max_len: recall needs room for {self.n_queries} query keys and as many pairs; "
+                       f"expected at least {3 * self.n_queries}, found {self.max_len}")
         return out
+
+    @property
+    def is_classification(self) -> bool:
+        return self.task != "translation"
 
 
 @dataclass
@@ -165,7 +213,9 @@ class TrainConfig:
     max_time: float = 0.0  # minutes of training; 0: no time limit
     valid_every: int = 1000  # optimizer steps between validations
     patience: int = 0  # validations without improvement before stopping; 0 disables
-    best_metric: BestMetric = "bleu"  # validation BLEU (greedy) or loss picks the best checkpoint
+    # what picks the best checkpoint: validation BLEU (greedy), accuracy or loss; auto is BLEU
+    # for translation and accuracy for classification
+    best_metric: BestMetric = "auto"
     average_last: int = 5  # checkpoints averaged into the "averaged" model
     precision: Precision = "auto"  # auto: bf16 (or fp16) on CUDA, fp32 on CPU
     log_every: int = 50
@@ -235,7 +285,7 @@ class Recipe:
                 "model.tie_embeddings: 'all' shares one embedding between both languages and "
                 "needs data.joint_vocab = true, found false"
             )
-        if self.data.max_len + 1 > self.model.max_positions:  # + 1: BOS or EOS
+        if self.model.arch != "lstm" and self.data.max_len + 1 > self.model.max_positions:  # + 1: BOS, EOS or CLS
             out.append(f"data.max_len: expected at most model.max_positions - 1 = {self.model.max_positions - 1}, "
                        f"found {self.data.max_len}")
         if self.eval.checkpoint == "averaged" and self.train.average_last == 0:
@@ -244,7 +294,23 @@ class Recipe:
             out.append(
                 f"model.arch: data.task = 'translation' needs 'seq2seq', found {self.model.arch!r}"
             )
+        if self.model.arch == "seq2seq" and self.data.task != "translation":
+            out.append(f"model.arch: data.task = {self.data.task!r} classifies; expected 'classifier' or 'lstm', "
+                       "found 'seq2seq'")
+        metric = self.train.best_metric
+        if metric == "bleu" and self.data.task != "translation":
+            out.append(f"train.best_metric: 'bleu' scores translations; data.task = {self.data.task!r} "
+                       "expects 'accuracy' or 'loss'")
+        if metric == "accuracy" and self.data.task == "translation":
+            out.append("train.best_metric: 'accuracy' scores classifiers; translation expects 'bleu' or 'loss'")
         return out
+
+    @property
+    def best_metric(self) -> str:
+        """train.best_metric with "auto" resolved."""
+        if self.train.best_metric != "auto":
+            return self.train.best_metric
+        return "accuracy" if self.data.is_classification else "bleu"
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Stored fields only (no properties), leaving out fields of switched-off variants."""

@@ -112,8 +112,14 @@ def evaluate_run(
     on_progress: Callable[[int, int], None] | None = None,
 ) -> dict:
     """Translate a split (default: the recipe's test split) or `data` and score it.
-    Writes RUN/eval/<name>.<checkpoint>.beam<N>.{hyp,json}; returns the scores."""
-    checkpoint = checkpoint or load_run_recipe(run_dir).eval.checkpoint
+    Writes RUN/eval/<name>.<checkpoint>.beam<N>.{hyp,json}; returns the scores. A
+    classification run is scored by classification.evaluate_classification_run instead."""
+    saved = load_run_recipe(run_dir)
+    if saved.data.is_classification:
+        from xformer.classification import evaluate_classification_run
+
+        return evaluate_classification_run(run_dir, split=split, data=data, checkpoint=checkpoint, device=device)
+    checkpoint = checkpoint or saved.eval.checkpoint
     recipe, tokenizer, model, rt = load_translation_run(run_dir, checkpoint, device)
     d = recipe.data
     spec = data if data is not None else d.dataset

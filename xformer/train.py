@@ -39,14 +39,10 @@ from xformer.checkpoint import (
     save_checkpoint,
 )
 from xformer.config import Recipe, load_recipe
-from xformer.data.batching import BatchIterator
-from xformer.data.corpus import encode_split, load_split
-from xformer.data.tokenizer import PAD_ID
-from xformer.errors import DataError, RunError
-from xformer.evaluate import build_translation_model, validate
-from xformer.optim import build_optimizer, learning_rate, sequence_loss
-from xformer.runtime import Runtime, resolve_runtime
-from xformer.tokenize import ensure_tokenizer, tokenizer_dir
+from xformer.errors import RunError
+from xformer.jobs import make_job
+from xformer.optim import build_optimizer, learning_rate
+from xformer.runtime import PeakMemory, Runtime, resolve_runtime
 
 Event = Callable[[str, dict], None]
 
@@ -62,9 +58,11 @@ class TrainResult:
     compute_seconds: float  # forward + backward + optimizer step
     data_seconds: float  # waiting for the next batch
     loop_seconds: float  # whole training steps: batch, compute, logging (validation excluded)
-    target_tokens: int
+    tokens: int  # target tokens (translation) or input tokens (classification) trained on
     device: str
     precision: str
+    parameters: int = 0
+    peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth (runtime.PeakMemory)
     history: list[dict] = field(default_factory=list)
 
     @property
@@ -85,7 +83,8 @@ class Progress:
     compute_seconds: float = 0.0
     data_seconds: float = 0.0
     loop_seconds: float = 0.0
-    target_tokens: int = 0
+    tokens: int = 0
+    peak_memory_mb: float = 0.0
     best: dict | None = None
     bad_validations: int = 0
     kept: list[str] = field(default_factory=list)  # step checkpoints, oldest first
@@ -120,31 +119,6 @@ def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: b
     out_dir.mkdir(parents=True, exist_ok=True)
 
 
-def load_training_splits(recipe: Recipe, emit: Event):
-    """The raw train and validation splits; a single file cannot be both."""
-    d = recipe.data
-    if Path(d.dataset).expanduser().is_file():
-        raise DataError(f"data.dataset: {d.dataset} is a single file; training needs a folder or Hub id with "
-                        f"'{d.train_split}' and '{d.valid_split}' splits")
-    emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
-    fields = [d.source_lang, d.target_lang]
-    config = d.dataset_config or None
-    return (load_split(d.dataset, d.train_split, fields, config),
-            load_split(d.dataset, d.valid_split, fields, config))
-
-
-def prepare_data(recipe: Recipe, run_dir: Path, train_raw, valid_raw, emit: Event):
-    """Tokenizer (trained when the run has none yet) and the encoded train / valid splits."""
-    d = recipe.data
-    if not tokenizer_dir(run_dir).is_dir():
-        emit("setup", {"message": f"training a {d.vocab_size}-piece {d.tokenizer} sentencepiece model"})
-    tokenizer = ensure_tokenizer(recipe, run_dir, train_raw)
-    emit("setup", {"message": "tokenizing"})
-    train = encode_split(train_raw, tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
-    valid = encode_split(valid_raw, tokenizer, d.source_lang, d.target_lang)
-    return tokenizer, train, valid
-
-
 def run(
     recipe: Recipe, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
     overwrite: bool = False, on_event: Event | None = None,
@@ -155,17 +129,15 @@ def run(
     out_dir = Path(out_dir)
     cfg = recipe.train
     rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
-    train_raw, valid_raw = load_training_splits(recipe, emit)
+    job = make_job(recipe)
+    job.load(emit)
     prepare_run_dir(out_dir, recipe, resume=resume, overwrite=overwrite)
     emit("setup", {"message": rt.describe()})
     torch.manual_seed(cfg.seed)
 
-    tokenizer, train_data, valid_data = prepare_data(recipe, out_dir, train_raw, valid_raw, emit)
-    batches = BatchIterator(train_data, max_tokens=recipe.data.max_tokens, seed=cfg.seed)
-    if len(batches) == 0:
-        raise DataError(f"{recipe.data.dataset}: no training pair has 1 to data.max_len = {recipe.data.max_len} "
-                        "pieces on both sides")
-    model = build_translation_model(recipe, tokenizer).to(rt.device)
+    job.prepare(out_dir, emit)
+    batches = job.train_batches
+    model = job.build_model().to(rt.device)
     optimizer = build_optimizer(model, cfg)
     progress = Progress()
     last = out_dir / "checkpoints" / "last.safetensors"
@@ -184,11 +156,10 @@ def run(
                            f"(e.g. --set train.{done}=...) to continue it")
         _truncate_metrics(out_dir / "metrics.jsonl", progress.step)
     atomic_write_text(out_dir / "recipe.toml", recipe.to_toml())  # as resolved, new limits included
-    valid_batches = BatchIterator(valid_data, max_tokens=recipe.data.max_tokens, seed=cfg.seed, shuffle=False)
-    refs = list(valid_raw[recipe.data.target_lang])
     signals = _StopSignals()
+    parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     emit("start", {"steps_per_epoch": len(batches) // cfg.accumulate_steps, "step": progress.step,
-                   "parameters": sum(p.numel() for p in model.parameters()), "run_dir": str(out_dir)})
+                   "parameters": parameters, "run_dir": str(out_dir)})
 
     seconds_before = progress.seconds  # from earlier sessions of a resumed run
 
@@ -207,14 +178,15 @@ def run(
 
     def checkpoint(stop_reason: str | None = None) -> None:
         progress.seconds = elapsed()
+        progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
         meta = {"progress": asdict(progress), "recipe": recipe.to_dict(), "stop_reason": stop_reason}
         tensors, extra_meta = rt.state()
         save_checkpoint(last, model, meta={**meta, **extra_meta}, optimizer=optimizer, extra_tensors=tensors)
 
     stop_reason = None
-    log_loss, log_tokens, log_time = 0.0, 0, time.perf_counter()
+    log_loss, log_units, log_tokens, log_time = 0.0, 0, 0, time.perf_counter()
     model.train()
-    with signals:
+    with signals, PeakMemory(rt.device) as memory:
         while stop_reason is None:
             epoch_iter = batches.iter_epoch(progress.epoch, skip=progress.batch_in_epoch)
             while True:
@@ -227,30 +199,24 @@ def run(
                 lr = learning_rate(progress.step, cfg)
                 for g in optimizer.param_groups:
                     g["lr"] = lr
-                n_tokens = sum(b["n_tgt_tokens"] for b in group)
+                n_units = sum(job.units(b) for b in group)  # what the loss is averaged over
+                n_tokens = sum(job.tokens(b) for b in group)
                 for batch in group:
-                    src, tgt_in, tgt_out = (batch[k].to(rt.device, non_blocking=True)
-                                            for k in ("src", "tgt_in", "tgt_out"))
-                    # On the CPU, project only real target positions (the largest matmul); on CUDA
-                    # the boolean index would cost a host sync per batch, so pad is masked instead.
-                    keep = tgt_out.ne(PAD_ID) if rt.device.type == "cpu" else None
-                    with rt.autocast():
-                        logits = model(src, tgt_in, keep=keep)  # (N, V) on the CPU, (B, T, V) on CUDA
-                    target = tgt_out[keep] if keep is not None else tgt_out
-                    loss = sequence_loss(logits, target, PAD_ID, cfg.label_smoothing)
-                    rt.backward(loss / n_tokens)
+                    loss = job.loss(model, batch, rt)
+                    rt.backward(loss / n_units)
                     log_loss = log_loss + loss.detach()  # stays on the device: no sync per step
+                log_units += n_units
                 rt.step(optimizer, model, cfg.clip_norm)
                 optimizer.zero_grad(set_to_none=True)
                 t2 = time.perf_counter()
                 progress.batch_in_epoch += len(group)
                 progress.data_seconds += t1 - t0
                 progress.compute_seconds += t2 - t1
-                progress.target_tokens += n_tokens
+                progress.tokens += n_tokens
                 log_tokens += n_tokens
                 if progress.step % cfg.log_every == 0:
                     now = time.perf_counter()
-                    mean_loss = float(log_loss) / log_tokens
+                    mean_loss = float(log_loss) / log_units
                     if not math.isfinite(mean_loss):
                         raise RunError(f"train.lr: the loss is {mean_loss} by step {progress.step}; "
                                        "lower train.lr, add warmup, or train in fp32")
@@ -258,7 +224,7 @@ def run(
                               "loss": mean_loss, "lr": lr,
                               "tokens_per_s": log_tokens / (now - log_time), "seconds": elapsed()}
                     _append_jsonl(out_dir / "metrics.jsonl", record)
-                    log_loss, log_tokens, log_time = 0.0, 0, now
+                    log_loss, log_units, log_tokens, log_time = 0.0, 0, 0, now
                     emit("step", {**record, "fraction": fraction_done()})
                 else:
                     emit("tick", {"step": progress.step, "fraction": fraction_done()})
@@ -269,8 +235,7 @@ def run(
                     break
                 stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))
                 if progress.step % cfg.valid_every == 0 or stop_reason:
-                    _validate_and_save(model, recipe, tokenizer, valid_batches, valid_data, refs, rt, progress,
-                                       out_dir, emit, elapsed)
+                    _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed)
                     stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))  # patience, time
                     checkpoint(stop_reason)
                     log_time = time.perf_counter()
@@ -280,6 +245,7 @@ def run(
             if stop_reason is None:
                 progress.epoch += 1
                 progress.batch_in_epoch = 0
+    progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
     if progress.kept:
         averaged = average_checkpoints([out_dir / "checkpoints" / k for k in progress.kept])
         load_model_weights(model, averaged)
@@ -290,8 +256,8 @@ def run(
         epochs=progress.epoch + progress.batch_in_epoch / max(1, len(batches)), stop_reason=stop_reason,
         best=progress.best, train_seconds=elapsed(), compute_seconds=progress.compute_seconds,
         data_seconds=progress.data_seconds, loop_seconds=progress.loop_seconds,
-        target_tokens=progress.target_tokens, device=str(rt.device), precision=rt.precision,
-        history=progress.history,
+        tokens=progress.tokens, device=str(rt.device), precision=rt.precision, parameters=parameters,
+        peak_memory_mb=progress.peak_memory_mb, history=progress.history,
     )
     atomic_write_text(out_dir / "train.json", json.dumps({**asdict(result), "loop_overhead": result.loop_overhead},
                                                          indent=2))
@@ -335,14 +301,13 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
-def _validate_and_save(model, recipe, tokenizer, valid_batches, valid_data, refs, rt, progress, out_dir, emit,
-                       elapsed) -> None:
+def _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed) -> None:
     """Validate; write the step checkpoint (kept for averaging) and, on improvement, the best."""
     cfg = recipe.train
-    scores = validate(model, tokenizer, valid_batches, valid_data, refs, recipe, rt,
-                      with_bleu=cfg.best_metric == "bleu")
+    scores = job.validate(model, rt)
     record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch + 1, **scores, "seconds": elapsed()}
-    key, sign = ("bleu", 1.0) if cfg.best_metric == "bleu" else ("loss", -1.0)
+    key = recipe.best_metric
+    sign = -1.0 if key == "loss" else 1.0
     improved = progress.best is None or key not in progress.best or sign * scores[key] > sign * progress.best[key]
     if improved:
         progress.best = {"step": progress.step, **scores}

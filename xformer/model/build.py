@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
+import torch
 from torch import nn
 
 from xformer.config import ModelConfig, Recipe
 from xformer.model.attention import MultiHeadAttention
 from xformer.model.feedforward import FeedForward
+from xformer.model.lstm import LSTMClassifier, match_hidden
 from xformer.model.norms import NORMS
 from xformer.model.positional import POSITIONAL
 from xformer.model.transformer import (
@@ -25,11 +28,18 @@ from xformer.model.transformer import (
 def build_model(
     cfg: ModelConfig, vocab_size: int, *, tgt_vocab_size: int | None = None,
     n_classes: int | None = None, pad_id: int = 0, init: bool = True,
-) -> Seq2Seq | Classifier:
+) -> Seq2Seq | Classifier | LSTMClassifier:
     """A Seq2Seq (`cfg.arch == "seq2seq"`; `vocab_size` is the source vocabulary and
-    `tgt_vocab_size` the target one, the same when omitted) or a Classifier over
-    `n_classes` classes. `init=False` skips the fairseq initialisation (the weights are
-    about to be loaded anyway)."""
+    `tgt_vocab_size` the target one, the same when omitted), a Classifier or an
+    LSTMClassifier over `n_classes` classes. `init=False` skips the fairseq initialisation
+    (the weights are about to be loaded anyway)."""
+    if cfg.arch == "lstm":
+        if n_classes is None:
+            raise ValueError("an LSTM classifier needs n_classes")
+        hidden = cfg.lstm_hidden or matched_lstm_hidden(cfg, vocab_size, n_classes)
+        return LSTMClassifier(vocab_size, cfg.d_model, hidden, cfg.lstm_layers, n_classes,
+                              bidirectional=cfg.bidirectional, pooling=cfg.pooling, dropout=cfg.dropout,
+                              pad_id=pad_id)
     layer_args = dict(
         n_kv_heads=cfg.n_kv_heads, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
         activation_dropout=cfg.activation_dropout, activation=cfg.activation, norm=cfg.norm,
@@ -70,6 +80,16 @@ def build_model(
     if init:
         init_fairseq_(model, cfg.d_model)
     return model
+
+
+def matched_lstm_hidden(cfg: ModelConfig, vocab_size: int, n_classes: int) -> int:
+    """The LSTM hidden size whose classifier has about as many parameters as the Transformer
+    classifier `cfg` describes (same vocabulary, classes and d_model; mean pooling)."""
+    reference = dataclasses.replace(cfg, arch="classifier", pooling="mean")
+    with torch.device("meta"):
+        transformer = build_model(reference, vocab_size, n_classes=n_classes, init=False)
+    target = count_parameters(transformer)["total"]
+    return match_hidden(target, vocab_size, cfg.d_model, cfg.lstm_layers, n_classes, cfg.bidirectional)
 
 
 def init_fairseq_(model: nn.Module, d_model: int) -> None:
@@ -128,9 +148,20 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
 
 
-def build_for_recipe(recipe: Recipe, *, init: bool = True) -> Seq2Seq | Classifier:
-    """The model a recipe describes, sized from its [data] table (vocabulary size; one
-    vocabulary per language unless `data.joint_vocab`, each of `data.vocab_size`).
+def build_for_recipe(recipe: Recipe, *, init: bool = True) -> Seq2Seq | Classifier | LSTMClassifier:
+    """The model a recipe describes, sized from its [data] table: translation vocabularies of
+    `data.vocab_size` each; a generated task's own vocabulary and classes; for a text corpus
+    `data.vocab_size` (258 for bytes) and 2 classes (the real count comes from the data).
 
     Build it under `torch.device("meta")` to count parameters without allocating them."""
-    return build_model(recipe.model, recipe.data.vocab_size, tgt_vocab_size=recipe.data.vocab_size, init=init)
+    d = recipe.data
+    if not d.is_classification:
+        return build_model(recipe.model, d.vocab_size, tgt_vocab_size=d.vocab_size, init=init)
+    from xformer.data.tasks import TASKS
+
+    if d.task in TASKS:
+        spec = TASKS[d.task][0]()
+        vocab_size, n_classes = len(spec.vocab), spec.n_classes
+    else:
+        vocab_size, n_classes = (258 if d.tokenizer == "byte" else d.vocab_size), 2
+    return build_model(recipe.model, vocab_size, n_classes=n_classes, init=init)

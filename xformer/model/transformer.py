@@ -231,7 +231,8 @@ class Classifier(nn.Module):
 
     pooling "cls": a learned vector is prepended to every sequence (BERT's [CLS], Devlin et
     al. 2018, arXiv:1810.04805, without spending a vocabulary entry) and its final state is
-    classified; "mean": the mean of the final states of the non-pad positions.
+    classified; "mean": the mean of the final states of the non-pad positions; "last": the final
+    state of the last non-pad token (what a task asking about its last token needs, e.g. recall).
     """
 
     def __init__(self, encoder: Encoder, n_classes: int, pooling: str, pad_id: int, dropout: float = 0.0):
@@ -250,6 +251,10 @@ class Classifier(nn.Module):
         if self.pooling == "cls":
             pad = torch.cat([pad.new_zeros(pad.size(0), 1), pad], dim=1)
             pooled = self.encoder(tokens, pad, prefix=self.cls)[:, 0]  # (B, D)
+        elif self.pooling == "last":  # the final state of the last real token (right padding)
+            h = self.encoder(tokens, pad)  # (B, S, D)
+            last = (~pad).sum(1).clamp(min=1) - 1  # (B,)
+            pooled = h[torch.arange(h.size(0), device=h.device), last]
         else:  # mean over real positions
             h = self.encoder(tokens, pad)  # (B, S, D)
             keep = (~pad).unsqueeze(-1).to(h.dtype)

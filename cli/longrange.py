@@ -1,0 +1,73 @@
+"""xformer longrange SWEEP: Transformer vs LSTM across sequence lengths, as tables and a plot."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from xformer.longrange import load_sweep, run_sweep
+from xformer_cli.common import user_errors
+
+ROW = 1000  # progress units per row
+
+
+@user_errors
+def longrange(
+    sweep: Path = typer.Argument(..., help="Sweep TOML ([sweep] names the two recipes, lengths, seeds, budget)."),
+    out: Path | None = typer.Option(None, "--out", help="Sweep directory [default: runs/<sweep name>]."),
+    overrides: list[str] = typer.Option([], "--set", help="Override a sweep value: --set sweep.lengths=[64,128]."),
+    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
+) -> None:
+    """Train both models at every length and seed (rows already done are kept), then write
+    comparison.json, comparison.md and comparison.png."""
+    loaded = load_sweep(sweep, overrides)
+    out_dir = out or Path("runs") / sweep.stem
+    console = Console(stderr=True)
+    progress = Progress(TextColumn("[bold]sweep[/bold]"), BarColumn(), TaskProgressColumn(),
+                        TextColumn("{task.fields[row]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                        TimeRemainingColumn(), console=console)
+    state = {"task": None, "done": 0}
+
+    def on_event(kind: str, payload: dict) -> None:
+        if kind == "plan":
+            state["task"] = progress.add_task("sweep", total=payload["rows"] * ROW, row="",
+                                              completed=payload["done"] * ROW)
+            state["done"] = payload["done"]
+            console.print(f"[dim]{payload['rows']} runs, {payload['done']} done already; results in {out_dir}[/dim]")
+        elif kind == "row_start":
+            resumed = " (resumed)" if payload["resume"] else ""
+            progress.update(state["task"], row=f"{payload['model']} length {payload['length']} "
+                                               f"seed {payload['seed']}{resumed}")
+        elif kind == "row_progress":
+            progress.update(state["task"], completed=(state["done"] + payload["fraction"]) * ROW)
+        elif kind == "row_end":
+            state["done"] += 1
+            progress.update(state["task"], completed=state["done"] * ROW)
+            progress.console.print(f"{payload['model']:>11} length {payload['length']:>5} seed {payload['seed']}: "
+                                   f"test accuracy {payload['test_accuracy']:.2f}%, "
+                                   f"{payload['tokens_per_s']:,.0f} tokens/s, {payload['steps']} steps")
+
+    try:
+        with progress:
+            comparison = run_sweep(loaded, out_dir, device=device, on_event=on_event)
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted; run the same command again to continue the sweep in {out_dir}", err=True)
+        raise typer.Exit(130) from None
+    table = Table(title=f"{comparison['task']}: test accuracy % (mean +- std over seeds), "
+                        f"{comparison['budget_per_run']} per run", header_style="bold")
+    for column in ("length", "Transformer", "LSTM", "params T / L", "tokens/s T / L", "peak MB T / L"):
+        table.add_column(column, justify="right")
+    by = {(g["model"], g["length"]): g for g in comparison["summary"]}
+    for n in comparison["lengths"]:
+        t, s = by[("transformer", n)], by[("lstm", n)]
+        table.add_row(str(n), f"{t['accuracy_mean']:.2f} +- {t['accuracy_std']:.2f}",
+                      f"{s['accuracy_mean']:.2f} +- {s['accuracy_std']:.2f}",
+                      f"{t['parameters']:,} / {s['parameters']:,}",
+                      f"{t['tokens_per_s']:,.0f} / {s['tokens_per_s']:,.0f}",
+                      f"{t['peak_memory_mb']:.0f} / {s['peak_memory_mb']:.0f}")
+    Console().print(table)
+    Console().print(f"[dim]{out_dir}/comparison.json, comparison.md, comparison.png[/dim]")

@@ -1,0 +1,124 @@
+"""Classification data, encoders, config rules and the pieces the long-range runs are built from."""
+
+import numpy as np
+import pytest
+import torch
+
+from xformer.config import ModelConfig, recipe_from_dict
+from xformer.data.classify import ClassBatches, TextEncoder, collate_tokens, fit_vocab, generated_splits
+from xformer.errors import DataError, RecipeError
+from xformer.model.build import build_for_recipe, build_model, count_parameters
+from xformer.runtime import PeakMemory
+
+BASE = {"train": {"max_steps": 5}}
+
+
+def recipe(model=None, data=None, train=None):
+    return recipe_from_dict({"model": model or {}, "data": data or {}, "train": {**BASE["train"], **(train or {})}})
+
+
+def problems(**tables) -> list[str]:
+    with pytest.raises(RecipeError) as err:
+        recipe(**tables)
+    return err.value.problems
+
+
+def test_classification_recipes_validate_per_task_and_arch():
+    r = recipe({"arch": "lstm", "pooling": "max"}, {"task": "listops", "max_len": 128})
+    assert r.best_metric == "accuracy" and recipe().best_metric == "bleu"
+    assert any("model.pooling" in p and "'cls'" in p for p in problems(model={"arch": "lstm", "pooling": "cls"},
+                                                                       data={"task": "recall"}))
+    assert any("model.pooling" in p for p in problems(model={"arch": "classifier", "pooling": "max"},
+                                                      data={"task": "recall"}))
+    assert any("expected 'classifier' or 'lstm'" in p for p in problems(data={"task": "listops"}))
+    assert any("data.tokenizer: applies only when" in p
+               for p in problems(model={"arch": "classifier"}, data={"task": "recall", "tokenizer": "char"}))
+    assert any("train.best_metric: 'bleu'" in p
+               for p in problems(model={"arch": "classifier"}, data={"task": "recall"}, train={"best_metric": "bleu"}))
+    assert any("model.lstm_hidden: applies only when" in p for p in problems(model={"lstm_hidden": 3}))
+    assert any("data.tokenizer: translation uses" in p for p in problems(data={"tokenizer": "byte"}))
+
+
+def test_a_saved_classification_recipe_reloads_equal():
+    r = recipe({"arch": "lstm", "pooling": "last", "lstm_hidden": 7}, {"task": "recall", "max_len": 64})
+    import tomllib
+
+    assert recipe_from_dict(tomllib.loads(r.to_toml())) == r
+
+
+def test_every_example_is_batched_once_per_epoch_within_the_budget():
+    examples = generated_splits("listops", 300, 10, 10, 64, 0, 4)["train"]
+    batches = ClassBatches(examples, 600, seed=3)
+    for epoch in (0, 1):
+        plan = batches.batches(epoch)
+        rows = sorted(i for b in plan for i in b)
+        assert rows == list(range(len(examples)))
+        assert all(len(b) * (examples.lens[b].max() + 1) <= 600 for b in plan)
+    assert batches.batches(0) != batches.batches(1)  # reshuffled per epoch
+    assert batches.batches(1) == ClassBatches(examples, 600, seed=3).batches(1)  # from the seed alone
+    first = next(batches.iter_epoch(0))
+    tokens, labels = first["tokens"], first["labels"]
+    for row, i in enumerate(batches.batches(0)[0]):
+        n = int(examples.lens[i])
+        assert tokens[row, :n].tolist() == examples.sequence(i)
+        assert tokens[row, n:].eq(0).all() and labels[row] == examples.labels[i]
+    skipped = list(batches.iter_epoch(0, skip=2))
+    assert len(skipped) == len(batches) - 2
+    assert torch.equal(skipped[0]["tokens"], collate_tokens(examples, np.asarray(batches.batches(0)[2]))["tokens"])
+
+
+def test_generated_splits_are_deterministic_and_differ_per_split_and_seed():
+    a = generated_splits("recall", 50, 20, 20, 32, 5, 4)
+    b = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 5, 4)  # bypass the cache
+    assert all(np.array_equal(a[s].ids, b[s].ids) and np.array_equal(a[s].labels, b[s].labels) for s in a)
+    assert not np.array_equal(a["valid"].ids, a["test"].ids)
+    c = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 6, 4)
+    assert not np.array_equal(a["train"].ids, c["train"].ids)
+    with pytest.raises(DataError, match="data.max_len = 6"):
+        generated_splits.__wrapped__("recall", 5, 5, 5, 6, 0, 4)
+
+
+def test_text_encoders_truncate_and_map_unknowns():
+    texts = ["abca", "b c", None]
+    vocab = fit_vocab(texts, "char", 4)
+    assert vocab == ["<pad>", "<unk>", "a", "b"]  # most frequent first, ties in first-seen order
+    enc = TextEncoder("char", vocab)
+    assert enc.encode(["abcz", None], max_len=3) == [[2, 3, 1], []]
+    words = TextEncoder("whitespace", fit_vocab(["the cat", "the dog"], "whitespace", 10))
+    assert words.encode(["the bird the"], 10) == [[2, 1, 2]]
+    byte = TextEncoder("byte")
+    assert byte.encode(["é!"], 10) == [[0xC3 + 2, 0xA9 + 2, ord("!") + 2]] and byte.vocab_size == 258
+    assert byte.token(ord("!") + 2) == "!"
+
+
+def test_last_pooling_reads_the_last_real_token_and_ignores_padding():
+    cfg = ModelConfig(arch="classifier", d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, dropout=0.0,
+                      pooling="last", max_positions=32)
+    model = build_model(cfg, 12, n_classes=3).eval()
+    tokens = torch.tensor([[4, 5, 6, 0, 0], [7, 8, 9, 10, 11]])
+    alone = model(tokens[:1, :3])
+    batched = model(tokens)
+    torch.testing.assert_close(batched[:1], alone)
+    h = model.encoder(tokens, tokens.eq(0))
+    torch.testing.assert_close(batched, model.head(h[torch.arange(2), torch.tensor([2, 4])]))
+
+
+def test_an_lstm_recipe_is_sized_to_its_transformer_within_10_percent():
+    model = {"d_model": 96, "n_heads": 4, "d_ff": 192, "n_encoder_layers": 3, "dropout": 0.0, "max_positions": 300}
+    data = {"task": "listops", "max_len": 256}
+    transformer = build_for_recipe(recipe({**model, "arch": "classifier", "pooling": "mean"}, data))
+    lstm = build_for_recipe(recipe({**model, "arch": "lstm", "pooling": "last", "lstm_layers": 2}, data))
+    t, s = count_parameters(transformer)["total"], count_parameters(lstm)["total"]
+    assert abs(s - t) / t < 0.10
+    assert lstm.lstm.num_layers == 2 and lstm.lstm.bidirectional
+
+
+def test_peak_memory_sees_a_large_allocation():
+    with PeakMemory(torch.device("cpu")) as memory:
+        block = torch.ones(64 * 2**20 // 4)  # 64 MB
+        block.add_(1)
+        import time
+
+        time.sleep(0.1)  # let the sampler see it
+    del block
+    assert memory.peak_mb > 48

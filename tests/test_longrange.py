@@ -1,0 +1,174 @@
+"""Classification end to end through the CLI (generated tasks and a user's JSONL corpus), and
+the Transformer-vs-LSTM sweep: outputs, consistency of its numbers, and resuming."""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from xformer.checkpoint import read_checkpoint
+from xformer.config import load_recipe
+from xformer.train import run
+from xformer_cli.main import app
+
+ROOT = Path(__file__).resolve().parents[1]
+RECALL = ROOT / "recipes" / "longrange" / "recall_transformer.toml"
+TINY = ["data.max_len=24", "data.n_train=400", "data.n_valid=60", "data.n_test=60", "data.max_tokens=1024",
+        "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "train.max_time=0.0", "train.valid_every=10",
+        "train.log_every=5", "train.warmup_steps=5"]
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_train_then_eval_a_recall_classifier(tmp_path):
+    out = tmp_path / "recall"
+    sets = [x for s in TINY + ["train.max_steps=30"] for x in ("--set", s)]
+    result = invoke("train", RECALL, "--out", out, *sets, "--device", "cpu", "--json")
+    assert result.exit_code == 0, result.output
+    summary = json.loads(result.output.strip().splitlines()[-1])
+    assert summary["steps"] == 30 and "best valid accuracy" in summary
+    records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
+    losses = [r["loss"] for r in records if r["kind"] == "train"]
+    assert losses[-1] < losses[0]
+    result = invoke("eval", out, "--split", "valid", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    best = json.loads((out / "train.json").read_text())["best"]
+    assert report["accuracy"] == pytest.approx(best["accuracy"])  # eval agrees with validation during training
+    confusion = np.array(report["confusion"])
+    assert confusion.shape == (16, 16) and confusion.sum() == 60
+    assert report["accuracy"] == pytest.approx(100 * np.trace(confusion) / 60)
+    predictions = (out / "eval" / "valid.best.pred").read_text().split()
+    assert len(predictions) == 60 and set(predictions) <= set(report["labels"])
+    assert invoke("eval", out, "--data", tmp_path).exit_code == 2  # a generated task has no files to score
+
+
+def test_lstm_run_resumes_exactly(tmp_path):
+    recipe = load_recipe(RECALL, TINY + ["model.arch=lstm", "model.pooling=last", "model.lstm_hidden=16",
+                                         "train.max_steps=20"])
+    whole = run(recipe, tmp_path / "whole", device="cpu")
+    first = load_recipe(RECALL, TINY + ["model.arch=lstm", "model.pooling=last", "model.lstm_hidden=16",
+                                        "train.max_steps=10"])
+    run(first, tmp_path / "split", device="cpu")
+    resumed = run(recipe, tmp_path / "split", device="cpu", resume=True)
+    assert resumed.steps == whole.steps == 20
+    a, _ = read_checkpoint(tmp_path / "whole" / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(tmp_path / "split" / "checkpoints" / "last.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        if not key.startswith("rng."):
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
+@pytest.fixture
+def reviews(tmp_path) -> Path:
+    folder = tmp_path / "reviews"
+    folder.mkdir()
+    rng = np.random.default_rng(0)
+    words = {"pos": ["good", "great", "fine", "lovely"], "neg": ["bad", "awful", "poor", "dull"]}
+    for split, n in (("train", 200), ("validation", 40), ("test", 40)):
+        rows = []
+        for _ in range(n):
+            label = str(rng.choice(["pos", "neg"]))
+            rows.append({"review": " ".join(rng.choice(words[label] + ["the", "film", "was"], size=6)),
+                         "sentiment": label})
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return folder
+
+
+def user_recipe(tmp_path, reviews, tokenizer) -> Path:
+    path = tmp_path / f"reviews_{tokenizer}.toml"
+    path.write_text(f"""
+[model]
+arch = "classifier"
+d_model = 32
+n_heads = 2
+d_ff = 64
+n_encoder_layers = 1
+dropout = 0.0
+pooling = "mean"
+max_positions = 129
+[data]
+task = "classification"
+dataset = {json.dumps(str(reviews))}
+text_field = "review"
+label_field = "sentiment"
+tokenizer = "{tokenizer}"
+vocab_size = 50
+max_len = 128
+max_tokens = 1024
+[train]
+lr = 3e-3
+warmup_steps = 5
+label_smoothing = 0.0
+max_steps = 40
+valid_every = 20
+""")
+    return path
+
+
+@pytest.mark.parametrize("tokenizer", ["whitespace", "char", "byte"])
+def test_a_user_jsonl_corpus_trains_and_scores(tmp_path, reviews, tokenizer):
+    out = tmp_path / "run"
+    assert invoke("train", user_recipe(tmp_path, reviews, tokenizer), "--out", out).exit_code == 0
+    report = json.loads(invoke("eval", out, "--json").output)
+    assert report["labels"] == ["neg", "pos"] and report["n_examples"] == 40
+    if tokenizer == "whitespace":  # a bag of telling words: easy once trained
+        assert report["accuracy"] >= 90
+    bad = reviews / "test_unseen.jsonl"
+    bad.write_text(json.dumps({"review": "good", "sentiment": "meh"}) + "\n")
+    result = runner.invoke(app, ["eval", str(out), "--data", str(bad)])
+    assert result.exit_code == 2
+    assert "sentiment = 'meh' never occurs in training" in result.output and "Traceback" not in result.output
+
+
+def test_a_missing_label_field_is_one_line(tmp_path, reviews):
+    path = user_recipe(tmp_path, reviews, "char")
+    path.write_text(path.read_text().replace('label_field = "sentiment"', 'label_field = "stars"'))
+    result = runner.invoke(app, ["train", str(path), "--out", str(tmp_path / "r")])
+    last = result.output.strip().splitlines()[-1]  # after the setup messages
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert last.endswith("train.jsonl: no field 'stars' (found: review, sentiment)")
+
+
+def test_the_sweep_writes_consistent_outputs_and_resumes(tmp_path):
+    sweep = tmp_path / "sweep.toml"
+    for name, arch in (("t.toml", ["model.arch=classifier"]), ("l.toml", ["model.arch=lstm", "model.pooling=last"])):
+        recipe = load_recipe(RECALL, TINY + arch + ["train.max_steps=6", "train.valid_every=3"])
+        recipe.save(tmp_path / name)
+    sweep.write_text('[sweep]\ntransformer = "t.toml"\nlstm = "l.toml"\nlengths = [16, 24]\nseeds = [1, 2]\n'
+                     "max_steps = 6\n")
+    out = tmp_path / "out"
+    result = invoke("longrange", sweep, "--out", out, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert len(comparison["rows"]) == 8 and len(comparison["summary"]) == 4
+    for group in comparison["summary"]:
+        rows = [r for r in comparison["rows"] if r["model"] == group["model"] and r["length"] == group["length"]]
+        assert group["accuracy_mean"] == pytest.approx(np.mean([r["test_accuracy"] for r in rows]))
+        assert group["accuracy_std"] == pytest.approx(np.std([r["test_accuracy"] for r in rows], ddof=1))
+        assert group["tokens_per_s"] > 0 and group["parameters"] == rows[0]["parameters"]
+    t = [g for g in comparison["summary"] if g["model"] == "transformer"][0]
+    lstm = [g for g in comparison["summary"] if g["model"] == "lstm"][0]
+    assert abs(lstm["parameters"] - t["parameters"]) / t["parameters"] < 0.10  # matched
+    md = (out / "comparison.md").read_text()
+    assert f"{t['accuracy_mean']:.2f} +- {t['accuracy_std']:.2f}" in md and "Who wins where" in md
+    assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # Resuming: finished rows are kept; a lost row is the only one trained again.
+    row = out / "rows" / "lstm-L24-s2.json"
+    kept = (out / "rows" / "transformer-L16-s1.json").stat().st_mtime_ns
+    row.unlink()
+    result = invoke("longrange", sweep, "--out", out, "--device", "cpu")
+    assert result.exit_code == 0 and "7 done already" in result.output
+    assert row.is_file() and (out / "rows" / "transformer-L16-s1.json").stat().st_mtime_ns == kept
+    # Other settings in the same directory are refused, not mixed in.
+    sweep.write_text(sweep.read_text().replace("max_steps = 6", "max_steps = 7"))
+    result = runner.invoke(app, ["longrange", str(sweep), "--out", str(out)])
+    assert result.exit_code == 2 and "other recipes or budget" in result.output

@@ -1,0 +1,228 @@
+"""What the training loop needs from a task, so that one loop (train.run) trains every model.
+
+A job loads and encodes its data, builds its model, turns a batch into a summed loss, and
+validates:
+
+    job = make_job(recipe)
+    job.load(emit)                   # read or generate the raw splits (fails before RUN is touched)
+    job.prepare(run_dir, emit)       # tokenizer/encoder in RUN/tokenizer, encoded splits, batches
+    model = job.build_model()
+    loss = job.loss(model, batch, rt)  # summed over the batch: divided by job.units(batch)
+    job.tokens(batch)                  # tokens it trained on, for tokens/s
+    scores = job.validate(model, rt)                   # {"loss": ..., and "bleu" or "accuracy"}
+
+TranslationJob: sentencepiece pairs, label-smoothed token NLL averaged per target token,
+validation loss and greedy BLEU. ClassificationJob: generated tasks or a text+label corpus,
+cross-entropy averaged per sequence, validation loss and accuracy; `tokens` counts input
+tokens, so tokens/s compares a Transformer and an LSTM on the same data.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from xformer.classification import predict
+from xformer.config import SYNTHETIC_TASKS, Recipe
+from xformer.data.batching import BatchIterator
+from xformer.data.classify import (
+    ClassBatches,
+    Examples,
+    TextEncoder,
+    fit_vocab,
+    generated_splits,
+    task_encoder,
+)
+from xformer.data.corpus import encode_split, load_split
+from xformer.data.tokenizer import PAD_ID, train_tokenizer
+from xformer.errors import DataError
+from xformer.evaluate import build_translation_model, validate
+from xformer.model.build import build_model
+from xformer.optim import sequence_loss
+from xformer.tokenize import ensure_tokenizer, tokenizer_dir
+
+Event = Callable[[str, dict], None]
+
+
+def make_job(recipe: Recipe):
+    return ClassificationJob(recipe) if recipe.data.is_classification else TranslationJob(recipe)
+
+
+class TranslationJob:
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+
+    def load(self, emit: Event) -> None:
+        d = self.recipe.data
+        if Path(d.dataset).expanduser().is_file():
+            raise DataError(f"data.dataset: {d.dataset} is a single file; training needs a folder or Hub id with "
+                            f"'{d.train_split}' and '{d.valid_split}' splits")
+        emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
+        fields, config = [d.source_lang, d.target_lang], d.dataset_config or None
+        self.train_raw = load_split(d.dataset, d.train_split, fields, config)
+        self.valid_raw = load_split(d.dataset, d.valid_split, fields, config)
+
+    def prepare(self, run_dir: Path, emit: Event) -> None:
+        recipe, d = self.recipe, self.recipe.data
+        if not tokenizer_dir(run_dir).is_dir():
+            emit("setup", {"message": f"training a {d.vocab_size}-piece {d.tokenizer} sentencepiece model"})
+        self.tokenizer = ensure_tokenizer(recipe, run_dir, self.train_raw)
+        emit("setup", {"message": "tokenizing"})
+        train = encode_split(self.train_raw, self.tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
+        self.valid_data = encode_split(self.valid_raw, self.tokenizer, d.source_lang, d.target_lang)
+        self.train_batches = BatchIterator(train, max_tokens=d.max_tokens, seed=recipe.train.seed)
+        if len(self.train_batches) == 0:
+            raise DataError(f"{d.dataset}: no training pair has 1 to data.max_len = {d.max_len} pieces on both sides")
+        self.valid_batches = BatchIterator(self.valid_data, max_tokens=d.max_tokens, seed=recipe.train.seed,
+                                           shuffle=False)
+        self.refs = list(self.valid_raw[d.target_lang])
+
+    def build_model(self):
+        return build_translation_model(self.recipe, self.tokenizer)
+
+    @staticmethod
+    def units(batch: dict) -> int:
+        return batch["n_tgt_tokens"]
+
+    @staticmethod
+    def tokens(batch: dict) -> int:
+        return batch["n_tgt_tokens"]
+
+    def loss(self, model, batch: dict, rt) -> torch.Tensor:
+        """Summed label-smoothed NLL over the batch's target tokens."""
+        src, tgt_in, tgt_out = (batch[k].to(rt.device, non_blocking=True) for k in ("src", "tgt_in", "tgt_out"))
+        # On the CPU, project only real target positions (the largest matmul); on CUDA the
+        # boolean index would cost a host sync per batch, so pad is masked instead.
+        keep = tgt_out.ne(PAD_ID) if rt.device.type == "cpu" else None
+        with rt.autocast():
+            logits = model(src, tgt_in, keep=keep)  # (N, V) on the CPU, (B, T, V) on CUDA
+        target = tgt_out[keep] if keep is not None else tgt_out
+        return sequence_loss(logits, target, PAD_ID, self.recipe.train.label_smoothing)
+
+    def validate(self, model, rt) -> dict:
+        return validate(model, self.tokenizer, self.valid_batches, self.valid_data, self.refs, self.recipe, rt,
+                        with_bleu=self.recipe.best_metric == "bleu")
+
+
+class ClassificationJob:
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+
+    def load(self, emit: Event) -> None:
+        d = self.recipe.data
+        if d.task in SYNTHETIC_TASKS:
+            emit("setup", {"message": f"generating {d.task} at length {d.max_len} (data.seed {d.seed})"})
+            self.generated = generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed, d.n_queries)
+            return
+        emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
+        fields, config = [d.text_field, d.label_field], d.dataset_config or None
+        self.train_raw = load_split(d.dataset, d.train_split, fields, config)
+        self.valid_raw = load_split(d.dataset, d.valid_split, fields, config)
+
+    def prepare(self, run_dir: Path, emit: Event) -> None:
+        d = self.recipe.data
+        directory = tokenizer_dir(run_dir)
+        if d.task in SYNTHETIC_TASKS:
+            self.encoder, self.n_classes = task_encoder(d.task)
+            self.labels = [str(c) for c in range(self.n_classes)]
+            train, valid = self.generated["train"], self.generated["valid"]
+        else:
+            self.encoder, self.labels = fit_or_load_encoder(self.recipe, directory, self.train_raw, emit)
+            self.n_classes = len(self.labels)
+            emit("setup", {"message": "tokenizing"})
+            train = encode_examples(self.train_raw, self.recipe, self.encoder, self.labels)
+            valid = encode_examples(self.valid_raw, self.recipe, self.encoder, self.labels)
+        if not (directory / "encoder.json").is_file():
+            self.encoder.save(directory, {"labels": self.labels, "task": d.task})
+        seed = self.recipe.train.seed
+        self.train_batches = ClassBatches(train, d.max_tokens, seed=seed)
+        self.valid = valid
+
+    def build_model(self):
+        return build_model(self.recipe.model, self.encoder.vocab_size, n_classes=self.n_classes, pad_id=0)
+
+    @staticmethod
+    def units(batch: dict) -> int:
+        return batch["n_examples"]
+
+    @staticmethod
+    def tokens(batch: dict) -> int:
+        return batch["n_tokens"]
+
+    def loss(self, model, batch: dict, rt) -> torch.Tensor:
+        """Summed cross-entropy over the batch's sequences."""
+        tokens, labels = batch["tokens"].to(rt.device, non_blocking=True), batch["labels"].to(rt.device)
+        with rt.autocast():
+            logits = model(tokens)  # (B, C)
+        return F.cross_entropy(logits.float(), labels, reduction="sum",
+                               label_smoothing=self.recipe.train.label_smoothing)
+
+    def validate(self, model, rt) -> dict:
+        was_training = model.training
+        model.eval()
+        predicted, total = predict(model, self.valid, self.recipe.data.max_tokens, rt)
+        model.train(was_training)
+        n = max(len(self.valid), 1)
+        return {"loss": total / n, "accuracy": 100.0 * float((predicted == self.valid.labels).sum()) / n}
+
+
+def fit_or_load_encoder(recipe: Recipe, directory: Path, train_raw, emit: Event) -> tuple[TextEncoder, list[str]]:
+    """The run's encoder and label list: read from RUN/tokenizer, else fitted on the training split."""
+    d = recipe.data
+    if (directory / "encoder.json").is_file():
+        encoder, saved = TextEncoder.load(directory)
+        if saved["kind"] != d.tokenizer:
+            raise DataError(f"{directory}: tokenizer kind {saved['kind']!r}, the recipe says {d.tokenizer!r}; "
+                            "use another --out")
+        return encoder, saved["labels"]
+    texts = train_raw[d.text_field]
+    labels = sorted({_label(v) for v in train_raw[d.label_field]}, key=_label_order)
+    if len(labels) < 2:
+        raise DataError(f"{d.dataset}: field {d.label_field!r} of split '{d.train_split}' has "
+                        f"{len(labels)} distinct value(s); a classifier needs at least 2")
+    if d.tokenizer in ("unigram", "bpe"):
+        emit("setup", {"message": f"training a {d.vocab_size}-piece {d.tokenizer} sentencepiece model"})
+        spm = train_tokenizer(train_raw, d.text_field, d.text_field, directory, model_type=d.tokenizer,
+                              vocab_size=d.vocab_size, joint=True, character_coverage=d.character_coverage,
+                              byte_fallback=d.byte_fallback, seed=recipe.train.seed)
+        encoder = TextEncoder(d.tokenizer, None, spm)
+    elif d.tokenizer == "byte":
+        encoder = TextEncoder("byte")
+    else:
+        encoder = TextEncoder(d.tokenizer, fit_vocab(texts, d.tokenizer, d.vocab_size))
+    encoder.save(directory, {"labels": labels, "task": d.task})
+    return encoder, labels
+
+
+def encode_examples(split, recipe: Recipe, encoder: TextEncoder, labels: list[str]) -> Examples:
+    """A text+label split -> Examples (texts truncated to data.max_len tokens)."""
+    d = recipe.data
+    index = {label: i for i, label in enumerate(labels)}
+    ids = encoder.encode(split[d.text_field], d.max_len)
+    classes = []
+    for row, value in enumerate(split[d.label_field]):
+        label = _label(value)
+        if label not in index:
+            known = ", ".join(labels[:10]) + (", ..." if len(labels) > 10 else "")
+            raise DataError(f"{d.dataset} (split '{split.split}'), row {row + 1}: {d.label_field} = {value!r} never "
+                            f"occurs in training (known: {known})")
+        classes.append(index[label])
+    return Examples.from_pairs(list(zip(ids, classes, strict=True)))
+
+
+def _label(value) -> str:
+    if value is None:
+        raise DataError("a label is missing (null)")
+    return json.dumps(value) if not isinstance(value, str) else value
+
+
+def _label_order(label: str):
+    """Numeric labels in numeric order (so 0..C-1 keep their ids), then the rest as text."""
+    try:
+        return (0, float(label), "")
+    except ValueError:
+        return (1, 0.0, label)

@@ -1,0 +1,327 @@
+"""The long-range comparison: a Transformer classifier against an LSTM across sequence lengths.
+
+A sweep file names the two recipes and the grid:
+
+    [sweep]
+    transformer = "recall_transformer.toml"   # paths relative to the sweep file
+    lstm = "recall_lstm.toml"
+    lengths = [64, 128, 256, 512, 1024]        # data.max_len of each row
+    seeds = [1, 2]                             # train.seed (the data stay those of data.seed)
+    max_time = 2.0                             # minutes of training per run (or max_steps)
+    match_parameters = true                    # LSTM hidden size set to the Transformer's count
+
+For every (length, model, seed) the recipe is trained with data.max_len = length (and
+model.max_positions raised to length + 1 where needed), the checkpoint with the best
+validation accuracy is scored on the test split, and the run's row is written to
+SWEEP/rows/<model>-L<length>-s<seed>.json. Rows already there are skipped, and a run stopped
+part way (Ctrl-C, a kill) resumes from its last checkpoint, so an interrupted sweep continues
+where it stopped. Then
+
+    SWEEP/comparison.json   every row, and per (model, length): accuracy mean and std over
+                            seeds, parameters, training tokens/s, peak memory
+    SWEEP/comparison.md     the same as tables, with who wins where
+    SWEEP/comparison.png    accuracy and tokens/s against length, both models
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from xformer.checkpoint import atomic_write_text
+from xformer.config import SYNTHETIC_TASKS, Recipe, load_recipe
+from xformer.errors import RecipeError, RunError
+from xformer.evaluate import evaluate_run
+from xformer.model.build import build_for_recipe, count_parameters
+from xformer.model.lstm import match_hidden
+from xformer.strict import did_you_mean, section_from_dict
+from xformer.train import run
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+MODELS = ("transformer", "lstm")
+Event = Callable[[str, dict], None]
+
+
+@dataclass
+class SweepConfig:
+    """[sweep]: the two recipes, the lengths and seeds, and the budget of each run."""
+
+    transformer: str = ""
+    lstm: str = ""
+    lengths: list[int] = field(default_factory=lambda: [64, 128, 256, 512, 1024])
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    max_steps: int = 0  # per run; 0: no step limit
+    max_time: float = 0.0  # minutes of training per run; 0: no time limit
+    match_parameters: bool = True
+
+    def problems(self) -> list[str]:
+        out = []
+        for name in MODELS:
+            if not getattr(self, name):
+                out.append(f"sweep.{name}: expected the path of a recipe, found nothing")
+        if not self.lengths or any(n <= 0 for n in self.lengths):
+            out.append(f"sweep.lengths: expected positive lengths, found {self.lengths}")
+        if not self.seeds:
+            out.append("sweep.seeds: expected at least one seed, found none")
+        if self.max_steps < 0 or self.max_time < 0:
+            out.append("sweep.max_steps, sweep.max_time: expected numbers >= 0")
+        if self.max_steps == 0 and self.max_time == 0:
+            out.append("sweep.max_time: expected sweep.max_steps or sweep.max_time to be positive (the budget "
+                       "of each run), found both 0")
+        return out
+
+
+@dataclass
+class Sweep:
+    config: SweepConfig
+    recipes: dict[str, Recipe]  # "transformer", "lstm": as loaded, before per-row overrides
+    source: Path
+
+
+def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
+    """Read a sweep file; `overrides` are sweep.key=value (TOML values)."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such sweep file") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read the sweep ({exc})") from None
+    problems = [f"{path}: {k}: unknown table{did_you_mean(k, ['sweep'])}" for k in raw if k != "sweep"]
+    table = dict(raw.get("sweep", {}))
+    for item in overrides:
+        key, sep, text = item.partition("=")
+        name = key.strip().removeprefix("sweep.")
+        try:
+            table[name] = tomllib.loads(f"v = {text.strip()}")["v"]
+        except tomllib.TOMLDecodeError:
+            problems.append(f"--set {item}: expected sweep.key=value with a TOML value")
+    local: list[str] = []
+    config, typed = section_from_dict(SweepConfig, "sweep", table, local)
+    if typed:
+        local += config.problems()
+    problems += [f"{path}: {p}" for p in local]
+    if problems:
+        raise RecipeError(problems)
+    recipes = {}
+    for name in MODELS:
+        recipe = load_recipe(path.parent / getattr(config, name))
+        recipes[name] = recipe
+    _check_pair(recipes, path)
+    return Sweep(config, recipes, path)
+
+
+def _check_pair(recipes: dict[str, Recipe], path: Path) -> None:
+    t, lstm = recipes["transformer"], recipes["lstm"]
+    problems = []
+    if t.model.arch != "classifier":
+        problems.append(f"{path}: sweep.transformer: expected a recipe with model.arch = 'classifier', "
+                        f"found {t.model.arch!r}")
+    if lstm.model.arch != "lstm":
+        problems.append(f"{path}: sweep.lstm: expected a recipe with model.arch = 'lstm', found {lstm.model.arch!r}")
+    if t.data != lstm.data:
+        problems.append(f"{path}: the two recipes must have the same [data] table (the same task and examples)")
+    if t.data.task not in SYNTHETIC_TASKS:
+        problems.append(f"{path}: the sweep varies the length of a generated task (listops, recall), "
+                        f"found data.task = {t.data.task!r}")
+    if problems:
+        raise RecipeError(problems)
+
+
+def row_key(model: str, length: int, seed: int) -> str:
+    return f"{model}-L{length}-s{seed}"
+
+
+def row_recipe(sweep: Sweep, model: str, length: int, seed: int) -> Recipe:
+    """The recipe of one row: the model's recipe at this length, seed and budget."""
+    base = sweep.recipes[model]
+    cfg = sweep.config
+    sets = [f"data.max_len={length}", f"train.seed={seed}", f"train.max_steps={cfg.max_steps}",
+            f"train.max_time={cfg.max_time}", "train.max_epochs=0"]
+    if base.model.max_positions < length + 1:
+        sets.append(f"model.max_positions={length + 1}")
+    if model == "lstm" and cfg.match_parameters:
+        target = parameters(row_recipe(sweep, "transformer", length, seed))
+        recipe = _with(base, sets)
+        d = recipe.model
+        vocab, classes = _vocab_and_classes(recipe)
+        hidden = match_hidden(target, vocab, d.d_model, d.lstm_layers, classes, d.bidirectional)
+        sets.append(f"model.lstm_hidden={hidden}")
+    return _with(base, sets)
+
+
+def _with(recipe: Recipe, sets: list[str]) -> Recipe:
+    from xformer.config import recipe_from_dict
+
+    return recipe_from_dict(recipe.to_dict(), sets, source="sweep")
+
+
+def _vocab_and_classes(recipe: Recipe) -> tuple[int, int]:
+    from xformer.data.tasks import TASKS
+
+    spec = TASKS[recipe.data.task][0]()
+    return len(spec.vocab), spec.n_classes
+
+
+def parameters(recipe: Recipe) -> int:
+    with torch.device("meta"):
+        return count_parameters(build_for_recipe(recipe, init=False))["total"]
+
+
+def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_event: Event | None = None) -> dict:
+    """Train and score every row not done yet, then write the comparison files; returns
+    the comparison (what comparison.json holds)."""
+    emit = on_event or (lambda kind, payload: None)
+    out_dir = Path(out_dir)
+    (out_dir / "rows").mkdir(parents=True, exist_ok=True)
+    _pin_sweep(sweep, out_dir)
+    cfg = sweep.config
+    plan = [(length, model, seed) for length in cfg.lengths for model in MODELS for seed in cfg.seeds]
+    emit("plan", {"rows": len(plan), "done": sum((out_dir / "rows" / f"{row_key(m, n, s)}.json").is_file()
+                                                 for n, m, s in plan)})
+    for index, (length, model, seed) in enumerate(plan):
+        key = row_key(model, length, seed)
+        row_path = out_dir / "rows" / f"{key}.json"
+        if row_path.is_file():
+            continue
+        recipe = row_recipe(sweep, model, length, seed)
+        run_dir = out_dir / "runs" / key
+        resume = (run_dir / "checkpoints" / "last.safetensors").is_file() and not (run_dir / "train.json").is_file()
+        emit("row_start", {"index": index, "key": key, "model": model, "length": length, "seed": seed,
+                           "resume": resume})
+
+        def forward(kind, payload, index=index):
+            if kind in ("tick", "step"):
+                emit("row_progress", {"index": index, "fraction": payload["fraction"]})
+
+        result = run(recipe, run_dir, device=device, resume=resume, overwrite=not resume, on_event=forward)
+        if result.stop_reason == "interrupted":
+            raise KeyboardInterrupt
+        test = evaluate_run(run_dir, split="test", checkpoint="best", device=device)
+        row = {
+            "model": model, "length": length, "seed": seed, "parameters": result.parameters,
+            "test_accuracy": test["accuracy"], "valid_accuracy": (result.best or {}).get("accuracy"),
+            "best_step": (result.best or {}).get("step"), "steps": result.steps, "epochs": result.epochs,
+            "train_seconds": result.train_seconds,
+            "tokens_per_s": result.tokens / max(result.loop_seconds, 1e-9),
+            "peak_memory_mb": result.peak_memory_mb, "device": result.device, "precision": result.precision,
+            "run_dir": str(run_dir),
+        }
+        atomic_write_text(row_path, json.dumps(row, indent=2))
+        emit("row_end", row)
+    comparison = summarize(sweep, [json.loads((out_dir / "rows" / f"{row_key(m, n, s)}.json").read_text())
+                                   for n, m, s in plan])
+    write_comparison(comparison, out_dir)
+    return comparison
+
+
+def _pin_sweep(sweep: Sweep, out_dir: Path) -> None:
+    """Save the sweep's resolved settings; a resumed sweep must have the same ones."""
+    pinned = {"config": {k: getattr(sweep.config, k) for k in ("max_steps", "max_time", "match_parameters")},
+              "recipes": {m: sweep.recipes[m].to_dict() for m in MODELS}}
+    path = out_dir / "sweep.json"
+    if path.is_file():
+        old = json.loads(path.read_text())
+        if old != json.loads(json.dumps(pinned)):
+            raise RunError(f"{path}: this sweep directory was started with other recipes or budget; "
+                           "use another --out (rows of different settings cannot be compared)")
+        return
+    atomic_write_text(path, json.dumps(pinned, indent=2))
+
+
+def summarize(sweep: Sweep, rows: list[dict]) -> dict:
+    """Per (model, length): mean and std of test accuracy over seeds, and the cost columns."""
+    groups = []
+    for length in sweep.config.lengths:
+        for model in MODELS:
+            mine = [r for r in rows if r["model"] == model and r["length"] == length]
+            acc = [r["test_accuracy"] for r in mine]
+            groups.append({
+                "model": model, "length": length, "seeds": len(mine),
+                "accuracy_mean": statistics.fmean(acc),
+                "accuracy_std": statistics.stdev(acc) if len(acc) > 1 else 0.0,
+                "parameters": mine[0]["parameters"],
+                "tokens_per_s": statistics.fmean(r["tokens_per_s"] for r in mine),
+                "peak_memory_mb": max(r["peak_memory_mb"] for r in mine),
+                "steps": statistics.fmean(r["steps"] for r in mine),
+            })
+    cfg = sweep.config
+    budget = " and ".join(x for x in (f"{cfg.max_time:g} minutes" if cfg.max_time else "",
+                                      f"{cfg.max_steps} steps" if cfg.max_steps else "") if x)
+    task = sweep.recipes["transformer"].data.task
+    return {"task": task, "budget_per_run": budget, "lengths": cfg.lengths, "seeds": cfg.seeds,
+            "device": rows[0]["device"] if rows else None, "summary": groups, "rows": rows}
+
+
+def write_comparison(comparison: dict, out_dir: Path) -> None:
+    atomic_write_text(out_dir / "comparison.json", json.dumps(comparison, indent=2))
+    atomic_write_text(out_dir / "comparison.md", comparison_markdown(comparison))
+    plot_comparison(comparison, out_dir / "comparison.png")
+
+
+def comparison_markdown(c: dict) -> str:
+    by = {(g["model"], g["length"]): g for g in c["summary"]}
+    lines = [f"# {c['task']}: Transformer vs LSTM across sequence lengths", "",
+             f"Budget per run: {c['budget_per_run']}; seeds {c['seeds']}; device {c['device']}. Test accuracy is "
+             "the mean +- std over seeds of the checkpoint with the best validation accuracy.", "",
+             "| length | Transformer acc % | LSTM acc % | Transformer params | LSTM params | Transformer tok/s | "
+             "LSTM tok/s | Transformer peak MB | LSTM peak MB |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for n in c["lengths"]:
+        t, s = by[("transformer", n)], by[("lstm", n)]
+        lines.append(f"| {n} | {t['accuracy_mean']:.2f} +- {t['accuracy_std']:.2f} | "
+                     f"{s['accuracy_mean']:.2f} +- {s['accuracy_std']:.2f} | {t['parameters']:,} | "
+                     f"{s['parameters']:,} | {t['tokens_per_s']:,.0f} | {s['tokens_per_s']:,.0f} | "
+                     f"{t['peak_memory_mb']:.0f} | {s['peak_memory_mb']:.0f} |")
+    lines += ["", "## Who wins where", ""]
+    for n in c["lengths"]:
+        t, s = by[("transformer", n)], by[("lstm", n)]
+        acc = "Transformer" if t["accuracy_mean"] > s["accuracy_mean"] else (
+            "LSTM" if s["accuracy_mean"] > t["accuracy_mean"] else "tie")
+        speed = "Transformer" if t["tokens_per_s"] > s["tokens_per_s"] else "LSTM"
+        ratio = max(t["tokens_per_s"], s["tokens_per_s"]) / max(min(t["tokens_per_s"], s["tokens_per_s"]), 1e-9)
+        lines.append(f"- length {n}: accuracy: {acc} ({t['accuracy_mean']:.2f} vs {s['accuracy_mean']:.2f}); "
+                     f"training throughput: {speed}, {ratio:.2f}x")
+    return "\n".join(lines) + "\n"
+
+
+def plot_comparison(c: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_acc, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for model, color in (("transformer", "tab:blue"), ("lstm", "tab:orange")):
+        groups = [g for g in c["summary"] if g["model"] == model]
+        lengths = [g["length"] for g in groups]
+        ax_acc.errorbar(lengths, [g["accuracy_mean"] for g in groups], yerr=[g["accuracy_std"] for g in groups],
+                        marker="o", capsize=3, color=color, label=f"{model} ({groups[0]['parameters']:,} params)")
+        ax_tps.plot(lengths, [g["tokens_per_s"] for g in groups], marker="o", color=color, label=model)
+    for ax in (ax_acc, ax_tps):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(c["lengths"], [str(n) for n in c["lengths"]])
+        ax.set_xlabel("sequence length")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    ax_acc.set_ylabel("test accuracy % (mean +- std over seeds)")
+    ax_acc.set_title(f"{c['task']}: accuracy ({c['budget_per_run']} per run)")
+    ax_tps.set_ylabel("training tokens/s")
+    ax_tps.set_yscale("log")
+    ax_tps.set_title(f"training throughput ({c['device']})")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.png")
+    fig.savefig(tmp, dpi=120)
+    plt.close(fig)
+    tmp.replace(path)
