@@ -83,7 +83,7 @@ def test_text_encoders_truncate_and_map_unknowns():
     vocab = fit_vocab(texts, "char", 4)
     assert vocab == ["<pad>", "<unk>", "a", "b"]  # most frequent first, ties in first-seen order
     enc = TextEncoder("char", vocab)
-    assert enc.encode(["abcz", None], max_len=3) == [[2, 3, 1], []]
+    assert enc.encode(["abcz", None], max_len=3) == [[2, 3, 1], [1]]  # empty: one unknown
     words = TextEncoder("whitespace", fit_vocab(["the cat", "the dog"], "whitespace", 10))
     assert words.encode(["the bird the"], 10) == [[2, 1, 2]]
     byte = TextEncoder("byte")

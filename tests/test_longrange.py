@@ -47,6 +47,8 @@ def test_train_then_eval_a_recall_classifier(tmp_path):
     predictions = (out / "eval" / "valid.best.pred").read_text().split()
     assert len(predictions) == 60 and set(predictions) <= set(report["labels"])
     assert invoke("eval", out, "--data", tmp_path).exit_code == 2  # a generated task has no files to score
+    assert runner.invoke(app, ["translate", str(out)], input="x\n").exit_code == 2
+    assert runner.invoke(app, ["tokenize", str(RECALL), "--out", str(tmp_path / "t")]).exit_code == 2
 
 
 def test_lstm_run_resumes_exactly(tmp_path):
@@ -137,13 +139,18 @@ def test_a_missing_label_field_is_one_line(tmp_path, reviews):
     assert last.endswith("train.jsonl: no field 'stars' (found: review, sentiment)")
 
 
-def test_the_sweep_writes_consistent_outputs_and_resumes(tmp_path):
-    sweep = tmp_path / "sweep.toml"
+def write_sweep(tmp_path, lengths, seeds, steps) -> Path:
     for name, arch in (("t.toml", ["model.arch=classifier"]), ("l.toml", ["model.arch=lstm", "model.pooling=last"])):
-        recipe = load_recipe(RECALL, TINY + arch + ["train.max_steps=6", "train.valid_every=3"])
+        recipe = load_recipe(RECALL, TINY + arch + [f"train.max_steps={steps}", "train.valid_every=3"])
         recipe.save(tmp_path / name)
-    sweep.write_text('[sweep]\ntransformer = "t.toml"\nlstm = "l.toml"\nlengths = [16, 24]\nseeds = [1, 2]\n'
-                     "max_steps = 6\n")
+    sweep = tmp_path / "sweep.toml"
+    sweep.write_text(f'[sweep]\ntransformer = "t.toml"\nlstm = "l.toml"\nlengths = {lengths}\nseeds = {seeds}\n'
+                     f"max_steps = {steps}\n")
+    return sweep
+
+
+def test_the_sweep_writes_consistent_outputs_and_resumes(tmp_path):
+    sweep = write_sweep(tmp_path, [16, 24], [1, 2], 6)
     out = tmp_path / "out"
     result = invoke("longrange", sweep, "--out", out, "--device", "cpu")
     assert result.exit_code == 0, result.output
@@ -172,3 +179,52 @@ def test_the_sweep_writes_consistent_outputs_and_resumes(tmp_path):
     sweep.write_text(sweep.read_text().replace("max_steps = 6", "max_steps = 7"))
     result = runner.invoke(app, ["longrange", str(sweep), "--out", str(out)])
     assert result.exit_code == 2 and "other recipes or budget" in result.output
+
+
+def test_an_interrupted_sweep_resumes_the_cut_run_and_rescores_a_trained_one(tmp_path):
+    import os
+    import signal
+
+    from xformer.longrange import load_sweep, run_sweep
+
+    sweep = load_sweep(write_sweep(tmp_path, [16], [1], 9))
+    out = tmp_path / "out"
+
+    def interrupt_lstm(kind, payload):
+        if kind == "row_progress" and payload["index"] == 1 and payload["fraction"] > 0.4:
+            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the run stops at a step boundary
+
+    with pytest.raises(KeyboardInterrupt):
+        run_sweep(sweep, out, device="cpu", on_event=interrupt_lstm)
+    assert (out / "rows" / "transformer-L16-s1.json").is_file() and not (out / "rows" / "lstm-L16-s1.json").exists()
+    # the transformer's row file is lost too, but its run finished: it is scored again, not retrained
+    (out / "rows" / "transformer-L16-s1.json").unlink()
+    trained = (out / "runs" / "transformer-L16-s1" / "checkpoints" / "best.safetensors").stat().st_mtime_ns
+    events = []
+    comparison = run_sweep(sweep, out, device="cpu", on_event=lambda kind, payload: events.append((kind, payload)))
+    starts = {p["key"]: p["resume"] for kind, p in events if kind == "row_start"}
+    assert starts == {"transformer-L16-s1": False, "lstm-L16-s1": True}
+    assert (out / "runs" / "transformer-L16-s1" / "checkpoints" / "best.safetensors").stat().st_mtime_ns == trained
+    assert [r["steps"] for r in comparison["rows"]] == [9, 9]
+
+
+def test_a_single_file_corpus_cannot_train(tmp_path, reviews):
+    path = user_recipe(tmp_path, reviews, "char")
+    path.write_text(path.read_text().replace(json.dumps(str(reviews)), json.dumps(str(reviews / "train.jsonl"))))
+    result = runner.invoke(app, ["train", str(path), "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "is a single file" in result.output  # else it would validate on train
+
+
+def test_an_encoder_made_from_other_data_is_refused(tmp_path):
+    from xformer.errors import RunError
+    from xformer.jobs import check_encoder, encoder_settings
+
+    recall = load_recipe(RECALL)
+    encoder_dir = tmp_path / "tokenizer"
+    encoder_dir.mkdir()
+    (encoder_dir / "encoder.json").write_text(json.dumps({"kind": "task", "vocab": [], "labels": [],
+                                                              "settings": encoder_settings(recall)}))
+    check_encoder(recall, encoder_dir)  # the same task: fine
+    listops = load_recipe(ROOT / "recipes" / "longrange" / "listops_transformer.toml")
+    with pytest.raises(RunError, match="data.task = 'recall'"):
+        check_encoder(listops, encoder_dir)

@@ -81,6 +81,16 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, header
 
 
+def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
+    """The JSON metadata of a checkpoint without reading its tensors."""
+    path = Path(path)
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            return json.loads((f.metadata() or {}).get("xformer", "{}"))
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise RunError(f"{path}: not a readable safetensors checkpoint ({exc})") from None
+
+
 def load_model_weights(model: nn.Module, tensors: dict[str, torch.Tensor], path: str | Path = "checkpoint") -> None:
     """Copy `model.*` tensors into `model`; tied parameters are filled through their first name."""
     weights = {k[len("model."):]: v for k, v in tensors.items() if k.startswith("model.")}

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
+from xformer.data.tasks import RECALL_N_KEYS
 from xformer.errors import RecipeError, RunError
 from xformer.strict import describe, did_you_mean, only_when, section_from_dict, section_to_dict, toml_value
 
@@ -183,6 +184,9 @@ class DataConfig:
         if self.task == "listops" and self.max_len < 8:
             out.append(f"data.max_len: ListOps needs lengths strictly between max_len // 4 and max_len; "
                        f"expected at least 8, found {self.max_len}")
+        if self.task == "recall" and self.max_len > 2 * RECALL_N_KEYS + self.n_queries:
+            out.append(f"data.max_len: recall draws distinct keys from {RECALL_N_KEYS}, so at most "
+                       f"{2 * RECALL_N_KEYS + self.n_queries} tokens; found {self.max_len}")
         if self.task == "recall" and self.max_len < 3 * self.n_queries:
             out.append(f"data.max_len: recall needs room for {self.n_queries} query keys and as many pairs; "
                        f"expected at least {3 * self.n_queries}, found {self.max_len}")

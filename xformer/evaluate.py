@@ -157,7 +157,10 @@ def evaluate_run(
 def translate_lines(run_dir: str | Path, lines: list[str], *, checkpoint: str | None = None,
                     beam: int | None = None, lenpen: float | None = None, device: str = "auto") -> list[str]:
     """Translate raw sentences with a trained run; the recipe's [eval] settings by default."""
-    checkpoint = checkpoint or load_run_recipe(run_dir).eval.checkpoint
+    saved = load_run_recipe(run_dir)
+    if saved.data.is_classification:
+        raise RunError(f"{run_dir}: a {saved.data.task} classification run; translate needs a translation run")
+    checkpoint = checkpoint or saved.eval.checkpoint
     recipe, tokenizer, model, rt = load_translation_run(run_dir, checkpoint, device)
     ids = translate_ids(model, tokenizer.encode(lines, "source"), recipe, rt, beam=beam, lenpen=lenpen)
     return tokenizer.decode(ids, "target")

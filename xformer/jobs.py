@@ -39,7 +39,7 @@ from xformer.data.classify import (
 )
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import PAD_ID, train_tokenizer
-from xformer.errors import DataError
+from xformer.errors import DataError, RunError
 from xformer.evaluate import build_translation_model, validate
 from xformer.model.build import build_model
 from xformer.optim import sequence_loss
@@ -118,6 +118,9 @@ class ClassificationJob:
             emit("setup", {"message": f"generating {d.task} at length {d.max_len} (data.seed {d.seed})"})
             self.generated = generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed, d.n_queries)
             return
+        if Path(d.dataset).expanduser().is_file():
+            raise DataError(f"data.dataset: {d.dataset} is a single file; training needs a folder or Hub id with "
+                            f"'{d.train_split}' and '{d.valid_split}' splits")
         emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
         fields, config = [d.text_field, d.label_field], d.dataset_config or None
         self.train_raw = load_split(d.dataset, d.train_split, fields, config)
@@ -126,6 +129,7 @@ class ClassificationJob:
     def prepare(self, run_dir: Path, emit: Event) -> None:
         d = self.recipe.data
         directory = tokenizer_dir(run_dir)
+        check_encoder(self.recipe, directory)
         if d.task in SYNTHETIC_TASKS:
             self.encoder, self.n_classes = task_encoder(d.task)
             self.labels = [str(c) for c in range(self.n_classes)]
@@ -137,7 +141,7 @@ class ClassificationJob:
             train = encode_examples(self.train_raw, self.recipe, self.encoder, self.labels)
             valid = encode_examples(self.valid_raw, self.recipe, self.encoder, self.labels)
         if not (directory / "encoder.json").is_file():
-            self.encoder.save(directory, {"labels": self.labels, "task": d.task})
+            self.encoder.save(directory, {"labels": self.labels, "settings": encoder_settings(self.recipe)})
         seed = self.recipe.train.seed
         self.train_batches = ClassBatches(train, d.max_tokens, seed=seed)
         self.valid = valid
@@ -175,9 +179,6 @@ def fit_or_load_encoder(recipe: Recipe, directory: Path, train_raw, emit: Event)
     d = recipe.data
     if (directory / "encoder.json").is_file():
         encoder, saved = TextEncoder.load(directory)
-        if saved["kind"] != d.tokenizer:
-            raise DataError(f"{directory}: tokenizer kind {saved['kind']!r}, the recipe says {d.tokenizer!r}; "
-                            "use another --out")
         return encoder, saved["labels"]
     texts = train_raw[d.text_field]
     labels = sorted({_label(v) for v in train_raw[d.label_field]}, key=_label_order)
@@ -194,8 +195,30 @@ def fit_or_load_encoder(recipe: Recipe, directory: Path, train_raw, emit: Event)
         encoder = TextEncoder("byte")
     else:
         encoder = TextEncoder(d.tokenizer, fit_vocab(texts, d.tokenizer, d.vocab_size))
-    encoder.save(directory, {"labels": labels, "task": d.task})
+    encoder.save(directory, {"labels": labels, "settings": encoder_settings(recipe)})
     return encoder, labels
+
+
+def encoder_settings(recipe: Recipe) -> dict:
+    """What an encoder in RUN/tokenizer was made from; a run may only reuse one made the same way."""
+    d = recipe.data
+    keys = ("task", "dataset", "dataset_config", "text_field", "label_field", "train_split", "tokenizer",
+            "vocab_size", "character_coverage", "byte_fallback")
+    return {k: getattr(d, k) for k in keys} if d.task == "classification" else {"task": d.task}
+
+
+def check_encoder(recipe: Recipe, directory: Path) -> None:
+    """A RunError when RUN/tokenizer holds an encoder made with other [data] values."""
+    path = directory / "encoder.json"
+    if not path.is_file():
+        return
+    saved = json.loads(path.read_text()).get("settings", {})
+    wanted = encoder_settings(recipe)
+    differ = [k for k in wanted if saved.get(k) != wanted[k]]
+    if differ:
+        found = ", ".join(f"data.{k} = {saved.get(k)!r}" for k in differ)
+        raise RunError(f"{directory}: its encoder was made with {found}; the recipe says "
+                       f"{', '.join(f'{wanted[k]!r}' for k in differ)} (use another --out)")
 
 
 def encode_examples(split, recipe: Recipe, encoder: TextEncoder, labels: list[str]) -> Examples:
@@ -223,6 +246,6 @@ def _label(value) -> str:
 def _label_order(label: str):
     """Numeric labels in numeric order (so 0..C-1 keep their ids), then the rest as text."""
     try:
-        return (0, float(label), "")
+        return (0, float(label), label)
     except ValueError:
         return (1, 0.0, label)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from xformer.checkpoint import atomic_write_text
+from xformer.checkpoint import atomic_write_text, read_checkpoint_meta
 from xformer.config import SYNTHETIC_TASKS, Recipe, load_recipe
 from xformer.errors import RecipeError, RunError
 from xformer.evaluate import evaluate_run
@@ -113,12 +113,21 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
     problems += [f"{path}: {p}" for p in local]
     if problems:
         raise RecipeError(problems)
-    recipes = {}
-    for name in MODELS:
-        recipe = load_recipe(path.parent / getattr(config, name))
-        recipes[name] = recipe
+    for name in ("lengths", "seeds"):
+        values = getattr(config, name)
+        if len(set(values)) != len(values):
+            raise RecipeError(f"{path}: sweep.{name}: expected distinct values, found {values}")
+    recipes = {name: load_recipe(path.parent / getattr(config, name)) for name in MODELS}
     _check_pair(recipes, path)
-    return Sweep(config, recipes, path)
+    sweep = Sweep(config, recipes, path)
+    for length in config.lengths:  # every row's recipe validates now, not hours into the sweep
+        for model in MODELS:
+            try:
+                row_recipe(sweep, model, length, config.seeds[0])
+            except RecipeError as exc:
+                raise RecipeError([f"{path}: sweep.lengths: at length {length} the {model} recipe fails: {p}"
+                                   for p in exc.problems]) from None
+    return sweep
 
 
 def _check_pair(recipes: dict[str, Recipe], path: Path) -> None:
@@ -194,28 +203,31 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
         row_path = out_dir / "rows" / f"{key}.json"
         if row_path.is_file():
             continue
-        recipe = row_recipe(sweep, model, length, seed)
         run_dir = out_dir / "runs" / key
-        resume = (run_dir / "checkpoints" / "last.safetensors").is_file() and not (run_dir / "train.json").is_file()
+        state = _run_state(run_dir)
         emit("row_start", {"index": index, "key": key, "model": model, "length": length, "seed": seed,
-                           "resume": resume})
+                           "resume": state == "resume"})
+        if state != "trained":
 
-        def forward(kind, payload, index=index):
-            if kind in ("tick", "step"):
-                emit("row_progress", {"index": index, "fraction": payload["fraction"]})
+            def forward(kind, payload, index=index):
+                if kind in ("tick", "step"):
+                    emit("row_progress", {"index": index, "fraction": payload["fraction"]})
 
-        result = run(recipe, run_dir, device=device, resume=resume, overwrite=not resume, on_event=forward)
-        if result.stop_reason == "interrupted":
-            raise KeyboardInterrupt
+            result = run(row_recipe(sweep, model, length, seed), run_dir, device=device, resume=state == "resume",
+                         overwrite=state == "new", on_event=forward)
+            if result.stop_reason == "interrupted":
+                raise KeyboardInterrupt
+        trained = json.loads((run_dir / "train.json").read_text())
         test = evaluate_run(run_dir, split="test", checkpoint="best", device=device)
+        best = trained["best"] or {}
         row = {
-            "model": model, "length": length, "seed": seed, "parameters": result.parameters,
-            "test_accuracy": test["accuracy"], "valid_accuracy": (result.best or {}).get("accuracy"),
-            "best_step": (result.best or {}).get("step"), "steps": result.steps, "epochs": result.epochs,
-            "train_seconds": result.train_seconds,
-            "tokens_per_s": result.tokens / max(result.loop_seconds, 1e-9),
-            "peak_memory_mb": result.peak_memory_mb, "device": result.device, "precision": result.precision,
-            "run_dir": str(run_dir),
+            "model": model, "length": length, "seed": seed, "parameters": trained["parameters"],
+            "test_accuracy": test["accuracy"], "valid_accuracy": best.get("accuracy"),
+            "best_step": best.get("step"), "steps": trained["steps"], "epochs": trained["epochs"],
+            "train_seconds": trained["train_seconds"],
+            "tokens_per_s": trained["tokens"] / max(trained["loop_seconds"], 1e-9),
+            "peak_memory_mb": trained["peak_memory_mb"], "device": trained["device"],
+            "precision": trained["precision"], "run_dir": str(run_dir),
         }
         atomic_write_text(row_path, json.dumps(row, indent=2))
         emit("row_end", row)
@@ -223,6 +235,17 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
                                    for n, m, s in plan])
     write_comparison(comparison, out_dir)
     return comparison
+
+
+def _run_state(run_dir: Path) -> str:
+    """"trained" (train.json of a finished run: score it), "resume" (stopped part way: a
+    checkpoint of an interrupted or killed run) or "new" (nothing usable: train from scratch)."""
+    summary, last = run_dir / "train.json", run_dir / "checkpoints" / "last.safetensors"
+    if summary.is_file():
+        return "resume" if json.loads(summary.read_text())["stop_reason"] == "interrupted" else "trained"
+    if last.is_file() and read_checkpoint_meta(last).get("stop_reason") in (None, "interrupted"):
+        return "resume"
+    return "new"  # no checkpoint, or killed between its final checkpoint and train.json
 
 
 def _pin_sweep(sweep: Sweep, out_dir: Path) -> None:
@@ -288,7 +311,7 @@ def comparison_markdown(c: dict) -> str:
         t, s = by[("transformer", n)], by[("lstm", n)]
         acc = "Transformer" if t["accuracy_mean"] > s["accuracy_mean"] else (
             "LSTM" if s["accuracy_mean"] > t["accuracy_mean"] else "tie")
-        speed = "Transformer" if t["tokens_per_s"] > s["tokens_per_s"] else "LSTM"
+        speed = "Transformer" if t["tokens_per_s"] >= s["tokens_per_s"] else "LSTM"
         ratio = max(t["tokens_per_s"], s["tokens_per_s"]) / max(min(t["tokens_per_s"], s["tokens_per_s"]), 1e-9)
         lines.append(f"- length {n}: accuracy: {acc} ({t['accuracy_mean']:.2f} vs {s['accuracy_mean']:.2f}); "
                      f"training throughput: {speed}, {ratio:.2f}x")

@@ -61,6 +61,7 @@ def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> T
 def tokenize_recipe(recipe: Recipe, run_dir: str | Path, *, overwrite: bool = False, sample: int = 2000) -> dict:
     """Train the tokenizer of `recipe` into RUN/tokenizer and describe it: vocabulary sizes and,
     on the first `sample` training pairs, pieces per sentence and the share of unknown pieces."""
+    _translation_only(recipe)
     directory = tokenizer_dir(run_dir)
     if directory.exists() and any(directory.iterdir()):
         if not overwrite:
@@ -83,6 +84,13 @@ def tokenize_recipe(recipe: Recipe, run_dir: str | Path, *, overwrite: bool = Fa
 
 def apply_tokenizer(recipe: Recipe, run_dir: str | Path, lines: list[str], side: Side) -> list[str]:
     """Lines as space-separated sentencepiece pieces, with the run's tokenizer."""
+    _translation_only(recipe)
     d = recipe.data
     tokenizer = Tokenizer.load(tokenizer_dir(run_dir), d.source_lang, d.target_lang)
     return [" ".join(p) for p in tokenizer.pieces(lines, side)]
+
+
+def _translation_only(recipe: Recipe) -> None:
+    if recipe.data.is_classification:
+        raise RunError(f"data.task = {recipe.data.task!r}: xformer tokenize is for translation recipes; "
+                       "xformer train fits a classification run's encoder itself (RUN/tokenizer/encoder.json)")

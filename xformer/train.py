@@ -148,7 +148,9 @@ def run(
         for group in optimizer.param_groups:  # the recipe's values, not the saved ones
             group.update(betas=tuple(cfg.betas), eps=cfg.adam_eps,
                          weight_decay=cfg.weight_decay if group["weight_decay"] else 0.0)
-        progress = Progress(**meta["progress"])
+        saved = dict(meta["progress"])
+        saved.setdefault("tokens", saved.pop("target_tokens", 0))  # checkpoints before the rename
+        progress = Progress(**saved)
         rt.load_state(tensors, meta)
         done = _stop_reason(cfg, progress, progress.seconds, len(batches))
         if done:

@@ -10,7 +10,8 @@ from a corpus with a text field and a label field (JSONL, local or Hub), which i
     unigram/bpe a sentencepiece model trained on the training texts
 
 Ids: 0 is padding and 1 unknown for every encoder (the task vocabularies keep 0 = "<pad>").
-Texts longer than data.max_len tokens are truncated to their first max_len tokens, as LRA does.
+Texts longer than data.max_len tokens are truncated to their first max_len tokens, as LRA does;
+an empty text is one unknown token.
 Labels are mapped to classes 0..C-1 in sorted order of the training split's label values;
 a validation or test label never seen in training is an error.
 
@@ -127,14 +128,18 @@ class TextEncoder:
         return len(self.vocab)
 
     def encode(self, texts: Sequence[str | None], max_len: int) -> list[list[int]]:
+        """Ids of each text, cut to max_len; an empty or missing text is [UNK_ID] (a sequence
+        of no tokens would leave nothing to pool)."""
         texts = ["" if t is None else t for t in texts]
         if self.kind == "byte":
-            return [[b + 2 for b in t.encode("utf-8")[:max_len]] for t in texts]
-        if self._spm is not None:
-            return [ids[:max_len] for ids in self._spm.encode(texts, "source")]
-        index = self._index
-        split = list if self.kind == "char" else str.split
-        return [[index.get(tok, UNK_ID) for tok in split(t)[:max_len]] for t in texts]
+            encoded = [[b + 2 for b in t.encode("utf-8")[:max_len]] for t in texts]
+        elif self._spm is not None:
+            encoded = [ids[:max_len] for ids in self._spm.encode(texts, "source")]
+        else:
+            index = self._index
+            split = list if self.kind == "char" else str.split
+            encoded = [[index.get(tok, UNK_ID) for tok in split(t)[:max_len]] for t in texts]
+        return [ids or [UNK_ID] for ids in encoded]
 
     def token(self, i: int) -> str:
         """The readable token of id i (for attention maps and error messages)."""
