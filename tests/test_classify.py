@@ -47,7 +47,7 @@ def test_a_saved_classification_recipe_reloads_equal():
 
 
 def test_every_example_is_batched_once_per_epoch_within_the_budget():
-    examples = generated_splits("listops", 300, 10, 10, 64, 0, 4)["train"]
+    examples = generated_splits("listops", 300, 10, 10, 64, 0, 4, 8)["train"]
     batches = ClassBatches(examples, 600, seed=3)
     for epoch in (0, 1):
         plan = batches.batches(epoch)
@@ -68,14 +68,14 @@ def test_every_example_is_batched_once_per_epoch_within_the_budget():
 
 
 def test_generated_splits_are_deterministic_and_differ_per_split_and_seed():
-    a = generated_splits("recall", 50, 20, 20, 32, 5, 4)
-    b = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 5, 4)  # bypass the cache
+    a = generated_splits("recall", 50, 20, 20, 32, 5, 4, 8)
+    b = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 5, 4, 8)  # bypass the cache
     assert all(np.array_equal(a[s].ids, b[s].ids) and np.array_equal(a[s].labels, b[s].labels) for s in a)
     assert not np.array_equal(a["valid"].ids, a["test"].ids)
-    c = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 6, 4)
+    c = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 6, 4, 8)
     assert not np.array_equal(a["train"].ids, c["train"].ids)
     with pytest.raises(DataError, match="data.max_len = 6"):
-        generated_splits.__wrapped__("recall", 5, 5, 5, 6, 0, 4)
+        generated_splits.__wrapped__("recall", 5, 5, 5, 6, 0, 4, 8)
 
 
 def test_text_encoders_truncate_and_map_unknowns():

@@ -89,22 +89,33 @@ def test_deterministic_by_seed(name):
     assert generate(50, 128, 3) != generate(50, 128, 4)
 
 
-@pytest.mark.parametrize("seq_len", [64, 101, 2000])
+@pytest.mark.parametrize("seq_len", [20, 64, 101, 2000])
 def test_recall_labels_are_the_last_query_binding(seq_len):
+    """Read back with the vocabulary, independently of the generator's id arithmetic."""
     spec = recall_spec()
-    n_queries = 4
-    data = generate_recall(200 if seq_len < 2000 else 20, seq_len, seed=0, n_queries=n_queries)
-    n_pairs = (seq_len - n_queries) // 2
+    n_pairs, n_queries = 8, 4
+    data = generate_recall(200 if seq_len < 2000 else 20, seq_len, seed=0, n_queries=n_queries, n_pairs=n_pairs)
     for ids, label in data:
-        assert len(ids) == 2 * n_pairs + n_queries and seq_len - 1 <= len(ids) <= seq_len
+        assert len(ids) == seq_len
         tokens = [spec.vocab[i] for i in ids]
         keys, values = tokens[0 : 2 * n_pairs : 2], tokens[1 : 2 * n_pairs : 2]
-        queries = tokens[2 * n_pairs :]
-        assert all(k.startswith("k") for k in keys + queries) and all(v.startswith("v") for v in values)
-        assert len(set(keys)) == n_pairs and len(set(queries)) == n_queries
+        rest = tokens[2 * n_pairs :]
+        assert all(k.startswith("k") for k in keys) and all(v.startswith("v") for v in values)
+        queries = [t for t in rest if t.startswith("k")]
+        assert all(t.startswith(("k", "f")) for t in rest) and rest[-1] == queries[-1]
+        assert len(set(keys)) == n_pairs and len(set(queries)) == len(queries) == n_queries
+        assert set(queries) <= set(keys)
         binding = dict(zip(keys, values, strict=True))
-        assert f"v{label}" == binding[queries[-1]]
+        assert f"v{label}" == binding[tokens[-1]]
         assert 0 <= label < spec.n_classes
+
+
+def test_recall_distractor_queries_spread_over_the_filler():
+    positions = Counter()
+    for ids, _ in generate_recall(400, 200, seed=1, n_queries=2, n_pairs=4):
+        (spot,) = [i for i in range(8, 199) if ids[i] <= 64]  # the one distractor key before the last token
+        positions[(spot - 8) // 48] += 1
+    assert len(positions) == 4 and min(positions.values()) > 50  # roughly uniform over the gap
 
 
 def test_recall_labels_roughly_uniform():
@@ -116,12 +127,14 @@ def test_recall_labels_roughly_uniform():
 
 
 def test_recall_spec_sizes_and_custom_vocab():
-    spec = recall_spec(n_keys=40, n_values=5)
-    assert len(spec.vocab) == 1 + 40 + 5 and spec.n_classes == 5 and spec.vocab[0] == "<pad>"
-    for ids, label in generate_recall(20, 60, seed=0, n_keys=40, n_values=5):
+    spec = recall_spec(n_keys=40, n_values=5, n_filler=3)
+    assert len(spec.vocab) == 1 + 40 + 5 + 3 and spec.n_classes == 5 and spec.vocab[0] == "<pad>"
+    for ids, label in generate_recall(20, 60, seed=0, n_keys=40, n_values=5, n_filler=3):
         assert max(ids) < len(spec.vocab) and 0 <= label < 5
     with pytest.raises(ValueError):
-        generate_recall(1, 100, seed=0, n_keys=40)  # 48 pairs need 48 distinct keys
+        generate_recall(1, 100, seed=0, n_pairs=48, n_keys=40)  # 48 pairs need 48 distinct keys
+    with pytest.raises(ValueError):
+        generate_recall(1, 19, seed=0, n_pairs=8, n_queries=4)  # 16 + 4 tokens do not fit in 19
 
 
 @pytest.mark.parametrize("name", sorted(TASKS))

@@ -73,7 +73,8 @@ def split_examples(recipe: Recipe, encoder: TextEncoder, labels: list[str], spli
             raise RunError(f"--data: a {d.task} run scores its own generated splits (train, valid, test), "
                            "not a file")
         split = split or "test"
-        splits = generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed, d.n_queries)
+        splits = generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed,
+                                      d.n_queries, d.n_pairs)
         if split not in splits:
             raise RunError(f"--split {split}: a generated task has the splits train, valid and test")
         return splits[split], split

@@ -158,6 +158,7 @@ class DataConfig:
     n_valid: int = field(default=1000, metadata=only_when("task", *SYNTHETIC_TASKS))
     n_test: int = field(default=1000, metadata=only_when("task", *SYNTHETIC_TASKS))
     seed: int = field(default=0, metadata=only_when("task", *SYNTHETIC_TASKS))
+    n_pairs: int = field(default=8, metadata=only_when("task", "recall"))  # key-value bindings to recall from
     n_queries: int = field(default=4, metadata=only_when("task", "recall"))
     tokenizer: Tokenization = field(default="unigram", metadata=only_when("task", *CORPUS_TASKS))
     vocab_size: int = field(default=8000, metadata=only_when("task", *CORPUS_TASKS))
@@ -168,7 +169,8 @@ class DataConfig:
     max_tokens: int = 4096  # padded tokens per batch, source or target side, whichever is larger
 
     def problems(self) -> list[str]:
-        out = _positive(self, "vocab_size", "max_len", "max_tokens", "n_train", "n_valid", "n_test", "n_queries")
+        out = _positive(self, "vocab_size", "max_len", "max_tokens", "n_train", "n_valid", "n_test", "n_queries",
+                           "n_pairs")
         if not 0 < self.character_coverage <= 1:
             out.append(
                 "data.character_coverage: expected a number in (0, 1], "
@@ -184,12 +186,12 @@ class DataConfig:
         if self.task == "listops" and self.max_len < 8:
             out.append(f"data.max_len: ListOps needs lengths strictly between max_len // 4 and max_len; "
                        f"expected at least 8, found {self.max_len}")
-        if self.task == "recall" and self.max_len > 2 * RECALL_N_KEYS + self.n_queries:
-            out.append(f"data.max_len: recall draws distinct keys from {RECALL_N_KEYS}, so at most "
-                       f"{2 * RECALL_N_KEYS + self.n_queries} tokens; found {self.max_len}")
-        if self.task == "recall" and self.max_len < 3 * self.n_queries:
-            out.append(f"data.max_len: recall needs room for {self.n_queries} query keys and as many pairs; "
-                       f"expected at least {3 * self.n_queries}, found {self.max_len}")
+        if self.task == "recall" and not self.n_queries <= self.n_pairs <= RECALL_N_KEYS:
+            out.append(f"data.n_pairs: expected data.n_queries = {self.n_queries} <= n_pairs <= {RECALL_N_KEYS} "
+                       f"(the distinct keys), found {self.n_pairs}")
+        if self.task == "recall" and self.max_len < 2 * self.n_pairs + self.n_queries:
+            out.append(f"data.max_len: recall needs {self.n_pairs} pairs and {self.n_queries} queries; "
+                       f"expected at least {2 * self.n_pairs + self.n_queries}, found {self.max_len}")
         return out
 
     @property

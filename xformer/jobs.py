@@ -116,7 +116,8 @@ class ClassificationJob:
         d = self.recipe.data
         if d.task in SYNTHETIC_TASKS:
             emit("setup", {"message": f"generating {d.task} at length {d.max_len} (data.seed {d.seed})"})
-            self.generated = generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed, d.n_queries)
+            self.generated = generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed,
+                                      d.n_queries, d.n_pairs)
             return
         if Path(d.dataset).expanduser().is_file():
             raise DataError(f"data.dataset: {d.dataset} is a single file; training needs a folder or Hub id with "

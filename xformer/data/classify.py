@@ -181,11 +181,11 @@ def fit_vocab(texts: Sequence[str | None], kind: str, vocab_size: int) -> list[s
 
 @lru_cache(maxsize=8)
 def generated_splits(task: str, n_train: int, n_valid: int, n_test: int, max_len: int, seed: int,
-                     n_queries: int) -> dict[str, Examples]:
+                     n_queries: int, n_pairs: int) -> dict[str, Examples]:
     """Train / valid / test Examples of a generated task, each split from its own seed derived
     from data.seed (cached: a sweep's runs at one length share them)."""
     generate = TASKS[task][1]
-    extra = {"n_queries": n_queries} if task == "recall" else {}
+    extra = {"n_queries": n_queries, "n_pairs": n_pairs} if task == "recall" else {}
     sizes = {"train": n_train, "valid": n_valid, "test": n_test}
     try:
         return {split: Examples.from_pairs(generate(n, max_len, split_seed(seed, split), **extra))

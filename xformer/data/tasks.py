@@ -27,16 +27,19 @@ ListOps -- Long Range Arena, Tay et al. 2020 (arXiv:2011.04006), after Nangia & 
 Multi-query associative recall (MQAR) -- Zoology, Arora et al. 2023 (arXiv:2312.04927),
 in a classification form:
 
-    k17 v3 k902 v11 k5 v3 ... k5 k902 k17   ->  v3 (the value bound to the LAST query)
+    k17 v3 k42 v11 k5 v3 ... | f9 f2 k42 f30 ... f7 k5 f1 k17   ->  v3 (the value of the LAST query)
 
-  * N key-value pairs, keys distinct (from "k0".."k{n_keys-1}"), values drawn uniformly
-    with replacement (from "v0".."v{n_values-1}"), so the label is uniform over n_values
-  * then n_queries distinct query keys drawn from the N bound keys; only the last is
-    labelled, the earlier ones are distractors the model must read past
-  * the pairs fill the length: N = (seq_len - n_queries) // 2, so a sequence is seq_len
-    tokens long (seq_len - 1 when seq_len - n_queries is odd)
-  * n_classes = n_values; Zoology draws values without replacement from a large vocabulary
-    and predicts every query's value, which a one-label classifier cannot do
+  * as in Zoology, n_pairs key-value pairs come first (default 8), keys distinct (from
+    "k0".."k{n_keys-1}"), values drawn uniformly with replacement (from "v0".."v{n_values-1}"),
+    so the label is uniform over n_values
+  * the rest of the seq_len tokens are filler drawn uniformly from "f0".."f{n_filler-1}"
+    (Zoology fills with random tokens; here they are their own words, so a filler token never
+    reads as a key), with n_queries distinct bound keys: the labelled one is the LAST token, the
+    other n_queries - 1 sit at random filler positions as distractors
+  * so the distance from a binding to its query grows with seq_len while the amount to
+    remember (n_pairs bindings) stays fixed: what "memory fades with distance" is about
+  * n_classes = n_values; Zoology predicts every query's value, which a one-label classifier
+    cannot do
 """
 
 from __future__ import annotations
@@ -189,13 +192,17 @@ def evaluate_listops(tokens: list[str]) -> int:
 
 # ---------------------------------------------------------------- associative recall
 
-RECALL_N_KEYS = 1024  # >= the (2000 - n_queries) // 2 distinct keys of the longest sweep length
+RECALL_N_KEYS = 64
 RECALL_N_VALUES = 16
+RECALL_N_FILLER = 32
+RECALL_N_PAIRS = 8
 
 
-def recall_spec(n_keys: int = RECALL_N_KEYS, n_values: int = RECALL_N_VALUES) -> TaskSpec:
-    """MQAR as classification: vocab <pad>, k0.., v0..; one class per value token."""
-    vocab = [PAD] + [f"k{i}" for i in range(n_keys)] + [f"v{i}" for i in range(n_values)]
+def recall_spec(n_keys: int = RECALL_N_KEYS, n_values: int = RECALL_N_VALUES,
+                n_filler: int = RECALL_N_FILLER) -> TaskSpec:
+    """MQAR as classification: vocab <pad>, k0.., v0.., f0..; one class per value token."""
+    vocab = ([PAD] + [f"k{i}" for i in range(n_keys)] + [f"v{i}" for i in range(n_values)]
+             + [f"f{i}" for i in range(n_filler)])
     return TaskSpec(name="recall", vocab=vocab, n_classes=n_values)
 
 
@@ -205,31 +212,38 @@ def generate_recall(
     seed: int,
     n_queries: int = 4,
     *,
+    n_pairs: int = RECALL_N_PAIRS,
     n_keys: int = RECALL_N_KEYS,
     n_values: int = RECALL_N_VALUES,
+    n_filler: int = RECALL_N_FILLER,
 ) -> list[tuple[list[int], int]]:
-    """n sequences of (seq_len - n_queries) // 2 key-value pairs then n_queries query keys.
+    """n sequences of seq_len tokens: n_pairs key-value pairs, then filler holding n_queries - 1
+    distractor queries, then the labelled query key last.
 
-    The label is the value index (0..n_values-1) bound to the last query key. Ids follow
-    recall_spec(n_keys, n_values): key i is id 1 + i, value j is id 1 + n_keys + j.
+    The label is the value index (0..n_values-1) bound to the last token. Ids follow
+    recall_spec: key i is id 1 + i, value j is 1 + n_keys + j, filler f is 1 + n_keys + n_values + f.
     """
-    n_pairs = (seq_len - n_queries) // 2
-    if n_queries < 1 or n_pairs < n_queries:
-        raise ValueError(f"seq_len={seq_len} holds {n_pairs} pairs, fewer than n_queries={n_queries}")
-    if n_pairs > n_keys:
-        raise ValueError(f"seq_len={seq_len} needs {n_pairs} distinct keys, only n_keys={n_keys}")
+    if not 1 <= n_queries <= n_pairs <= n_keys:
+        raise ValueError(f"needs 1 <= n_queries ({n_queries}) <= n_pairs ({n_pairs}) <= n_keys ({n_keys})")
+    gap = seq_len - 2 * n_pairs - 1  # filler positions, distractor queries among them
+    if gap < n_queries - 1:
+        raise ValueError(f"seq_len={seq_len} is too short for {n_pairs} pairs and {n_queries} queries "
+                         f"(at least {2 * n_pairs + n_queries})")
     rng = np.random.default_rng(seed)
-    value_base = 1 + n_keys
+    value_base, filler_base = 1 + n_keys, 1 + n_keys + n_values
     data: list[tuple[list[int], int]] = []
     for _ in range(n):
         keys = rng.choice(n_keys, size=n_pairs, replace=False)
         values = rng.integers(0, n_values, size=n_pairs)
-        pairs = np.empty(2 * n_pairs, dtype=np.int64)
-        pairs[0::2] = 1 + keys
-        pairs[1::2] = value_base + values
-        asked = rng.choice(n_pairs, size=n_queries, replace=False)  # positions among the pairs
-        ids = pairs.tolist() + (1 + keys[asked]).tolist()
-        data.append((ids, int(values[asked[-1]])))
+        ids = np.empty(seq_len, dtype=np.int64)
+        ids[0 : 2 * n_pairs : 2] = 1 + keys
+        ids[1 : 2 * n_pairs : 2] = value_base + values
+        ids[2 * n_pairs :] = filler_base + rng.integers(0, n_filler, size=seq_len - 2 * n_pairs)
+        asked = rng.choice(n_pairs, size=n_queries, replace=False)  # which pairs are queried
+        spots = 2 * n_pairs + rng.choice(gap, size=n_queries - 1, replace=False)
+        ids[spots] = 1 + keys[asked[:-1]]
+        ids[-1] = 1 + keys[asked[-1]]
+        data.append((ids.tolist(), int(values[asked[-1]])))
     return data
 
 
