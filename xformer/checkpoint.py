@@ -81,6 +81,15 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
     return tensors, header
 
 
+def run_checkpoint(run_dir: str | Path, name: str) -> Path:
+    """RUN/checkpoints/<name>.safetensors; a RunError listing the ones there when it is missing."""
+    path = Path(run_dir) / "checkpoints" / f"{name}.safetensors"
+    if not path.is_file():
+        found = sorted(p.stem for p in path.parent.glob("*.safetensors"))
+        raise RunError(f"{path}: no such checkpoint (found: {', '.join(found) or 'none'})")
+    return path
+
+
 def read_checkpoint_meta(path: str | Path) -> dict[str, Any]:
     """The JSON metadata of a checkpoint without reading its tensors."""
     path = Path(path)

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from xformer.checkpoint import atomic_write_text, load_model_weights, read_checkpoint
+from xformer.checkpoint import atomic_write_text, load_model_weights, read_checkpoint, run_checkpoint
 from xformer.config import SYNTHETIC_TASKS, Recipe, load_run_recipe
 from xformer.data.classify import ClassBatches, Examples, TextEncoder, collate_tokens, generated_splits
 from xformer.data.corpus import load_split
@@ -32,10 +32,7 @@ def load_classification_run(run_dir: str | Path, checkpoint: str, device: str = 
     run_dir = Path(run_dir)
     recipe = load_run_recipe(run_dir)
     encoder, saved = TextEncoder.load(tokenizer_dir(run_dir))
-    path = run_dir / "checkpoints" / f"{checkpoint}.safetensors"
-    if not path.is_file():
-        found = sorted(p.stem for p in (run_dir / "checkpoints").glob("*.safetensors"))
-        raise RunError(f"{path}: no such checkpoint (found: {', '.join(found) or 'none'})")
+    path = run_checkpoint(run_dir, checkpoint)
     tensors, _ = read_checkpoint(path)
     rt = resolve_runtime(device, precision)
     labels = saved["labels"]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from xformer.checkpoint import atomic_write_text, load_model_weights, read_checkpoint
+from xformer.checkpoint import atomic_write_text, load_model_weights, read_checkpoint, run_checkpoint
 from xformer.config import Recipe, load_run_recipe
 from xformer.data.batching import collate_source
 from xformer.data.corpus import load_split
@@ -95,10 +95,7 @@ def load_translation_run(run_dir: str | Path, checkpoint: str, device: str = "au
     run_dir = Path(run_dir)
     recipe = load_run_recipe(run_dir)
     tokenizer = Tokenizer.load(run_dir / "tokenizer", recipe.data.source_lang, recipe.data.target_lang)
-    path = run_dir / "checkpoints" / f"{checkpoint}.safetensors"
-    if not path.is_file():
-        found = sorted(p.stem for p in (run_dir / "checkpoints").glob("*.safetensors"))
-        raise RunError(f"{path}: no such checkpoint (found: {', '.join(found) or 'none'})")
+    path = run_checkpoint(run_dir, checkpoint)
     tensors, _ = read_checkpoint(path)
     rt = resolve_runtime(device, precision)
     model = build_translation_model(recipe, tokenizer)

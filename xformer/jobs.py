@@ -52,19 +52,25 @@ def make_job(recipe: Recipe):
     return ClassificationJob(recipe) if recipe.data.is_classification else TranslationJob(recipe)
 
 
+def load_training_splits(recipe: Recipe, fields: list[str], emit: Event):
+    """The raw train and validation splits of a corpus, with `fields`; a single file cannot be
+    both (it would validate on the training data)."""
+    d = recipe.data
+    if Path(d.dataset).expanduser().is_file():
+        raise DataError(f"data.dataset: {d.dataset} is a single file; training needs a folder or Hub id with "
+                        f"'{d.train_split}' and '{d.valid_split}' splits")
+    emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
+    config = d.dataset_config or None
+    return load_split(d.dataset, d.train_split, fields, config), load_split(d.dataset, d.valid_split, fields, config)
+
+
 class TranslationJob:
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
 
     def load(self, emit: Event) -> None:
         d = self.recipe.data
-        if Path(d.dataset).expanduser().is_file():
-            raise DataError(f"data.dataset: {d.dataset} is a single file; training needs a folder or Hub id with "
-                            f"'{d.train_split}' and '{d.valid_split}' splits")
-        emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
-        fields, config = [d.source_lang, d.target_lang], d.dataset_config or None
-        self.train_raw = load_split(d.dataset, d.train_split, fields, config)
-        self.valid_raw = load_split(d.dataset, d.valid_split, fields, config)
+        self.train_raw, self.valid_raw = load_training_splits(self.recipe, [d.source_lang, d.target_lang], emit)
 
     def prepare(self, run_dir: Path, emit: Event) -> None:
         recipe, d = self.recipe, self.recipe.data
@@ -119,13 +125,7 @@ class ClassificationJob:
             self.generated = generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed,
                                       d.n_queries, d.n_pairs)
             return
-        if Path(d.dataset).expanduser().is_file():
-            raise DataError(f"data.dataset: {d.dataset} is a single file; training needs a folder or Hub id with "
-                            f"'{d.train_split}' and '{d.valid_split}' splits")
-        emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
-        fields, config = [d.text_field, d.label_field], d.dataset_config or None
-        self.train_raw = load_split(d.dataset, d.train_split, fields, config)
-        self.valid_raw = load_split(d.dataset, d.valid_split, fields, config)
+        self.train_raw, self.valid_raw = load_training_splits(self.recipe, [d.text_field, d.label_field], emit)
 
     def prepare(self, run_dir: Path, emit: Event) -> None:
         d = self.recipe.data
