@@ -150,7 +150,7 @@ def write_sweep(tmp_path, lengths, seeds, steps) -> Path:
 
 
 def test_the_sweep_writes_consistent_outputs_and_resumes(tmp_path):
-    sweep = write_sweep(tmp_path, [16, 24], [1, 2], 6)
+    sweep = write_sweep(tmp_path, [24, 32], [1, 2], 6)
     out = tmp_path / "out"
     result = invoke("longrange", sweep, "--out", out, "--device", "cpu")
     assert result.exit_code == 0, result.output
@@ -169,12 +169,12 @@ def test_the_sweep_writes_consistent_outputs_and_resumes(tmp_path):
     assert (out / "comparison.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # Resuming: finished rows are kept; a lost row is the only one trained again.
-    row = out / "rows" / "lstm-L24-s2.json"
-    kept = (out / "rows" / "transformer-L16-s1.json").stat().st_mtime_ns
+    row = out / "rows" / "lstm-L32-s2.json"
+    kept = (out / "rows" / "transformer-L24-s1.json").stat().st_mtime_ns
     row.unlink()
     result = invoke("longrange", sweep, "--out", out, "--device", "cpu")
     assert result.exit_code == 0 and "7 done already" in result.output
-    assert row.is_file() and (out / "rows" / "transformer-L16-s1.json").stat().st_mtime_ns == kept
+    assert row.is_file() and (out / "rows" / "transformer-L24-s1.json").stat().st_mtime_ns == kept
     # Other settings in the same directory are refused, not mixed in.
     sweep.write_text(sweep.read_text().replace("max_steps = 6", "max_steps = 7"))
     result = runner.invoke(app, ["longrange", str(sweep), "--out", str(out)])
@@ -187,7 +187,7 @@ def test_an_interrupted_sweep_resumes_the_cut_run_and_rescores_a_trained_one(tmp
 
     from xformer.longrange import load_sweep, run_sweep
 
-    sweep = load_sweep(write_sweep(tmp_path, [16], [1], 9))
+    sweep = load_sweep(write_sweep(tmp_path, [24], [1], 9))
     out = tmp_path / "out"
 
     def interrupt_lstm(kind, payload):
@@ -196,15 +196,15 @@ def test_an_interrupted_sweep_resumes_the_cut_run_and_rescores_a_trained_one(tmp
 
     with pytest.raises(KeyboardInterrupt):
         run_sweep(sweep, out, device="cpu", on_event=interrupt_lstm)
-    assert (out / "rows" / "transformer-L16-s1.json").is_file() and not (out / "rows" / "lstm-L16-s1.json").exists()
+    assert (out / "rows" / "transformer-L24-s1.json").is_file() and not (out / "rows" / "lstm-L24-s1.json").exists()
     # the transformer's row file is lost too, but its run finished: it is scored again, not retrained
-    (out / "rows" / "transformer-L16-s1.json").unlink()
-    trained = (out / "runs" / "transformer-L16-s1" / "checkpoints" / "best.safetensors").stat().st_mtime_ns
+    (out / "rows" / "transformer-L24-s1.json").unlink()
+    trained = (out / "runs" / "transformer-L24-s1" / "checkpoints" / "best.safetensors").stat().st_mtime_ns
     events = []
     comparison = run_sweep(sweep, out, device="cpu", on_event=lambda kind, payload: events.append((kind, payload)))
     starts = {p["key"]: p["resume"] for kind, p in events if kind == "row_start"}
-    assert starts == {"transformer-L16-s1": False, "lstm-L16-s1": True}
-    assert (out / "runs" / "transformer-L16-s1" / "checkpoints" / "best.safetensors").stat().st_mtime_ns == trained
+    assert starts == {"transformer-L24-s1": False, "lstm-L24-s1": True}
+    assert (out / "runs" / "transformer-L24-s1" / "checkpoints" / "best.safetensors").stat().st_mtime_ns == trained
     assert [r["steps"] for r in comparison["rows"]] == [9, 9]
 
 
@@ -228,3 +228,10 @@ def test_an_encoder_made_from_other_data_is_refused(tmp_path):
     listops = load_recipe(ROOT / "recipes" / "longrange" / "listops_transformer.toml")
     with pytest.raises(RunError, match="data.task = 'recall'"):
         check_encoder(listops, encoder_dir)
+
+
+def test_a_sweep_length_the_task_cannot_have_is_refused_before_training(tmp_path):
+    sweep = write_sweep(tmp_path, [24, 16], [1], 3)  # recall needs 8 pairs + 4 queries = 20 tokens
+    result = runner.invoke(app, ["longrange", str(sweep), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "at length 16" in result.output and "expected at least 20" in result.output
+    assert not (tmp_path / "out").exists()
