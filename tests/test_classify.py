@@ -122,3 +122,14 @@ def test_peak_memory_sees_a_large_allocation():
         time.sleep(0.1)  # let the sampler see it
     del block
     assert memory.peak_mb > 48
+
+
+@pytest.mark.parametrize("scale", [True, False])
+def test_learned_positions_start_at_the_scale_of_the_tokens(scale):
+    """Positions 8x weaker than sqrt(D)-scaled tokens kept a classifier from learning recall."""
+    cfg = ModelConfig(arch="classifier", d_model=256, n_heads=4, d_ff=64, n_encoder_layers=1, positional="learned",
+                      scale_embeddings=scale, max_positions=512)
+    embed = build_model(cfg, 300, n_classes=2).encoder.embed
+    tokens = embed.embedding.weight[1:] * embed.scale
+    positions = embed.positional.embedding.weight
+    assert positions.std().item() == pytest.approx(tokens.std().item(), rel=0.1)

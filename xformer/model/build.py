@@ -50,7 +50,11 @@ def build_model(
         return NORMS[cfg.norm](cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else None
 
     def embedder(embedding):
-        positional = POSITIONAL[cfg.positional](cfg.d_model, cfg.max_positions)
+        if cfg.positional == "learned":  # at the scale of the (possibly sqrt(D)-scaled) tokens
+            positional = POSITIONAL["learned"](cfg.d_model, cfg.max_positions,
+                                               std=1.0 if cfg.scale_embeddings else cfg.d_model**-0.5)
+        else:
+            positional = POSITIONAL[cfg.positional](cfg.d_model, cfg.max_positions)
         return Embedder(embedding, positional, cfg.max_positions, cfg.dropout, cfg.scale_embeddings)
 
     src_embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
