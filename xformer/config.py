@@ -19,11 +19,21 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 from xformer.data.tasks import RECALL_N_KEYS
 from xformer.errors import RecipeError, RunError
-from xformer.strict import describe, did_you_mean, only_when, section_from_dict, section_to_dict, toml_value
+from xformer.strict import (
+    describe,
+    did_you_mean,
+    non_negative,
+    only_when,
+    positive,
+    probability,
+    section_from_dict,
+    section_to_dict,
+    toml_value,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -60,6 +70,8 @@ LSTM_POOLING = ("last", "mean", "max")
 @dataclass
 class ModelConfig:
     """[model]: the architecture. Defaults are Vaswani et al. 2017 base (arXiv:1706.03762)."""
+
+    SECTION: ClassVar[str] = "model"
 
     arch: Arch = "seq2seq"
     d_model: int = 512
@@ -98,12 +110,12 @@ class ModelConfig:
         return self.n_heads if self.n_kv_heads is None else self.n_kv_heads
 
     def problems(self) -> list[str]:
-        out = _positive(self, "d_model", "n_heads", "d_ff", "n_encoder_layers", "max_positions")
+        out = positive(self, "d_model", "n_heads", "d_ff", "n_encoder_layers", "max_positions")
         if self.arch == "seq2seq":
-            out += _positive(self, "n_decoder_layers")
+            out += positive(self, "n_decoder_layers")
         if self.n_kv_heads is not None and self.n_kv_heads <= 0:
             out.append(f"model.n_kv_heads: expected a positive integer, found {self.n_kv_heads}")
-        out += _probability(self, "dropout", "attention_dropout", "activation_dropout")
+        out += probability(self, "dropout", "attention_dropout", "activation_dropout")
         if self.norm_eps <= 0:
             out.append(f"model.norm_eps: expected a positive number, found {self.norm_eps}")
         if self.n_heads > 0 and self.d_model % self.n_heads:
@@ -122,7 +134,7 @@ class ModelConfig:
         if self.arch == "lstm":
             if self.pooling not in LSTM_POOLING:
                 out.append(f"model.pooling: the LSTM pools by 'last', 'mean' or 'max', found {self.pooling!r}")
-            out += _positive(self, "lstm_layers") + _non_negative(self, "lstm_hidden")
+            out += positive(self, "lstm_layers") + non_negative(self, "lstm_hidden")
         if self.positional == "sinusoidal" and self.n_heads > 0 and self.d_model % 2:
             out.append(
                 f"model.d_model: sinusoidal positions need an even d_model, found {self.d_model}"
@@ -140,6 +152,8 @@ class DataConfig:
     longer are dropped, classification texts are truncated, ListOps lengths lie strictly between
     max_len // 4 and max_len (LRA), recall sequences have max_len tokens.
     """
+
+    SECTION: ClassVar[str] = "data"
 
     task: Task = "translation"
     # A Hub id ("bentrevett/multi30k") or a local folder or file (JSONL, TSV, parallel text).
@@ -169,7 +183,7 @@ class DataConfig:
     max_tokens: int = 4096  # padded tokens per batch, source or target side, whichever is larger
 
     def problems(self) -> list[str]:
-        out = _positive(self, "vocab_size", "max_len", "max_tokens", "n_train", "n_valid", "n_test", "n_queries",
+        out = positive(self, "vocab_size", "max_len", "max_tokens", "n_train", "n_valid", "n_test", "n_queries",
                            "n_pairs")
         if not 0 < self.character_coverage <= 1:
             out.append(
@@ -203,6 +217,8 @@ class DataConfig:
 class TrainConfig:
     """[train]: optimisation, schedule and stopping rules."""
 
+    SECTION: ClassVar[str] = "train"
+
     seed: int = 1
     optimizer: Optimizer = "adamw"
     lr: float = 5e-4
@@ -227,12 +243,12 @@ class TrainConfig:
     log_every: int = 50
 
     def problems(self) -> list[str]:
-        out = _positive(self, "lr", "adam_eps", "accumulate_steps", "valid_every", "log_every")
-        out += _non_negative(
+        out = positive(self, "lr", "adam_eps", "accumulate_steps", "valid_every", "log_every")
+        out += non_negative(
             self, "weight_decay", "warmup_steps", "clip_norm", "max_steps", "max_epochs",
             "max_time", "patience", "average_last",
         )
-        out += _probability(self, "label_smoothing")
+        out += probability(self, "label_smoothing")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             out.append(f"train.betas: expected two numbers in [0, 1), found {self.betas}")
         if self.max_steps == 0 and self.max_epochs == 0 and self.max_time == 0:
@@ -249,6 +265,8 @@ class TrainConfig:
 class EvalConfig:
     """[eval]: decoding and scoring."""
 
+    SECTION: ClassVar[str] = "eval"
+
     beam: int = 5
     lenpen: float = 1.0  # length penalty: scores are divided by length ** lenpen
     max_len_a: float = 1.2  # hypotheses stop at max_len_a * source length + max_len_b
@@ -257,17 +275,12 @@ class EvalConfig:
     batch_sentences: int = 128
 
     def problems(self) -> list[str]:
-        return _positive(self, "beam", "batch_sentences") + _non_negative(
+        return positive(self, "beam", "batch_sentences") + non_negative(
             self, "lenpen", "max_len_a", "max_len_b"
         )
 
 
-SECTIONS: dict[str, type] = {
-    "model": ModelConfig,
-    "data": DataConfig,
-    "train": TrainConfig,
-    "eval": EvalConfig,
-}
+SECTIONS: dict[str, type] = {cls.SECTION: cls for cls in (ModelConfig, DataConfig, TrainConfig, EvalConfig)}
 
 
 @dataclass
@@ -413,37 +426,6 @@ def _locate(problem: str, source: str, overridden: set[str]) -> str:
         return problem
     key = problem.split(":", 1)[0]
     return f"--set {problem}" if key in overridden else f"{source}: {problem}"
-
-
-def _positive(cfg, *names: str) -> list[str]:
-    section = _section_name(cfg)
-    return [
-        f"{section}.{n}: expected a positive number, found {getattr(cfg, n)}"
-        for n in names
-        if getattr(cfg, n) <= 0
-    ]
-
-
-def _non_negative(cfg, *names: str) -> list[str]:
-    section = _section_name(cfg)
-    return [
-        f"{section}.{n}: expected a number >= 0, found {getattr(cfg, n)}"
-        for n in names
-        if getattr(cfg, n) < 0
-    ]
-
-
-def _probability(cfg, *names: str) -> list[str]:
-    section = _section_name(cfg)
-    return [
-        f"{section}.{n}: expected a number in [0, 1), found {getattr(cfg, n)}"
-        for n in names
-        if not 0 <= getattr(cfg, n) < 1
-    ]
-
-
-def _section_name(cfg) -> str:
-    return next(name for name, cls in SECTIONS.items() if isinstance(cfg, cls))
 
 
 def load_run_recipe(run_dir: str | Path, overrides: list[str] | None = None) -> Recipe:

@@ -113,3 +113,22 @@ def toml_value(value) -> str:
     if isinstance(value, list):
         return "[" + ", ".join(toml_value(v) for v in value) + "]"
     return repr(value)
+
+
+# Range rules for a config table: each returns "section.key: expected ..., found ..." lines for
+# the fields that break it; the section is the dataclass's SECTION class attribute.
+
+
+def positive(cfg, *names: str) -> list[str]:
+    return [f"{cfg.SECTION}.{n}: expected a positive number, found {getattr(cfg, n)}"
+            for n in names if getattr(cfg, n) <= 0]
+
+
+def non_negative(cfg, *names: str) -> list[str]:
+    return [f"{cfg.SECTION}.{n}: expected a number >= 0, found {getattr(cfg, n)}"
+            for n in names if getattr(cfg, n) < 0]
+
+
+def probability(cfg, *names: str) -> list[str]:
+    return [f"{cfg.SECTION}.{n}: expected a number in [0, 1), found {getattr(cfg, n)}"
+            for n in names if not 0 <= getattr(cfg, n) < 1]
