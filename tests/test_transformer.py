@@ -11,7 +11,7 @@ from xformer.config import ModelConfig
 from xformer.model.build import build_model, count_parameters
 from xformer.model.feedforward import ACTIVATIONS
 from xformer.model.norms import NORMS
-from xformer.model.positional import POSITIONAL, SinusoidalPositional
+from xformer.model.positional import POSITIONAL, RotaryPositional, SinusoidalPositional
 
 D, H, FF, V, PAD = 32, 4, 64, 13, 0
 
@@ -109,7 +109,8 @@ def test_explicit_and_sdpa_models_agree():
 
 
 @pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1, "norm_position": "pre"},
-                                       {"positional": "learned", "norm": "rmsnorm", "n_kv_heads": 2}])
+                                       {"positional": "learned", "norm": "rmsnorm", "n_kv_heads": 2},
+                                       {"positional": "rope", "n_kv_heads": 2}])
 def test_incremental_decoding_equals_full_forward(overrides):
     model = build_model(tiny(**overrides), V).eval()
     src, _ = batch([7, 3, 5], 7)
@@ -215,6 +216,45 @@ def test_fairseq_init_scales():
 def test_sinusoid_equals_naive_formula():
     table = SinusoidalPositional(D, 50).table
     torch.testing.assert_close(table.double(), naive_sinusoid(50, D), atol=1e-5, rtol=0)
+
+
+def test_rope_scores_depend_only_on_relative_position():
+    rope = RotaryPositional(8, 64)
+    q, k = torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8)
+
+    def score(p, r):  # q at position p against k at position r
+        return (rope.rotate(q, p) * rope.rotate(k, r)).sum(-1)
+
+    torch.testing.assert_close(score(5, 2), score(40, 37), atol=1e-5, rtol=0)
+    torch.testing.assert_close(score(0, 0), (q * k).sum(-1), atol=1e-6, rtol=0)  # position 0: no rotation
+    assert not torch.allclose(score(5, 2), score(5, 3))
+    norms = rope.rotate(q.expand(1, 2, 30, 8).contiguous()).norm(dim=-1)  # a rotation keeps lengths
+    torch.testing.assert_close(norms, q.norm(dim=-1).expand(1, 2, 30), atol=1e-5, rtol=0)
+
+
+def test_rope_rotates_pairs_by_the_naive_angles():
+    rope = RotaryPositional(4, 16, base=100.0)
+    x = torch.randn(1, 1, 16, 4)
+    out = rope.rotate(x)
+    for p in (0, 3, 15):
+        for i, theta in enumerate((p * 100.0 ** 0, p * 100.0 ** -0.5)):  # pairs (0, 2), (1, 3)
+            a, b = x[0, 0, p, i], x[0, 0, p, i + 2]
+            cos, sin = math.cos(theta), math.sin(theta)
+            expected = torch.stack([a * cos - b * sin, a * sin + b * cos])
+            torch.testing.assert_close(out[0, 0, p, [i, i + 2]], expected, atol=1e-5, rtol=0)
+
+
+def test_rope_classifier_shares_one_rotary_and_adds_no_parameters():
+    cfg = tiny(positional="rope", arch="classifier", pooling="mean")
+    model = build_model(cfg, V, n_classes=3).eval()
+    assert all(layer.self_attn.rotary is model.encoder.embed.positional for layer in model.encoder.layers)
+    sinusoidal = build_model(tiny(arch="classifier", pooling="mean"), V, n_classes=3)
+    assert count_parameters(model)["total"] == count_parameters(sinusoidal)["total"]
+    tokens = torch.randint(4, V, (2, 6))
+    with torch.no_grad():
+        base = model(tokens)
+        reversed_order = model(tokens.flip(1))
+    assert not torch.allclose(base, reversed_order)  # order matters, so positions reach the output
 
 
 def test_too_long_sequence_names_max_positions():

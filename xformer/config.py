@@ -44,7 +44,7 @@ else:  # pragma: no cover - Python 3.10
 # (POSITIONAL in model/positional.py, NORMS in model/norms.py, ...), and a test checks
 # that every word here has an entry there.
 Arch = Literal["seq2seq", "classifier", "lstm"]
-Positional = Literal["sinusoidal", "learned"]
+Positional = Literal["sinusoidal", "learned", "rope"]
 NormPosition = Literal["post", "pre"]
 Norm = Literal["layernorm", "rmsnorm"]
 Activation = Literal["relu", "gelu"]
@@ -100,6 +100,9 @@ class ModelConfig:
     lstm_hidden: int = field(default=0, metadata=only_when("arch", "lstm"))
     lstm_layers: int = field(default=1, metadata=only_when("arch", "lstm"))
     bidirectional: bool = field(default=True, metadata=only_when("arch", "lstm"))
+    # Heads removed by `xformer inspect-heads --save-pruned`: "SITE:HEAD" entries, SITE one of
+    # encoder.<i>.self_attn, decoder.<i>.self_attn, decoder.<i>.cross_attn, HEAD the original index.
+    pruned_heads: list[str] = field(default_factory=list)
 
     @property
     def head_dim(self) -> int:
@@ -139,6 +142,45 @@ class ModelConfig:
             out.append(
                 f"model.d_model: sinusoidal positions need an even d_model, found {self.d_model}"
             )
+        out += self.pruned_heads_problems()
+        if self.positional == "rope" and self.n_heads > 0 and self.d_model % self.n_heads == 0 and self.head_dim % 2:
+            out.append(
+                f"model.d_model: rotary positions need an even head dimension (d_model / n_heads), "
+                f"found {self.head_dim}"
+            )
+        return out
+
+
+    def attention_sites(self) -> list[str]:
+        """Names of the attention modules, in model order (xformer/heads reports by these)."""
+        if self.arch == "lstm":
+            return []
+        sites = [f"encoder.{i}.self_attn" for i in range(self.n_encoder_layers)]
+        if self.arch == "seq2seq":
+            for i in range(self.n_decoder_layers):
+                sites += [f"decoder.{i}.self_attn", f"decoder.{i}.cross_attn"]
+        return sites
+
+    def pruned_by_site(self) -> dict[str, list[int]]:
+        """pruned_heads grouped: site -> sorted original head indices (entries assumed valid)."""
+        out: dict[str, list[int]] = {}
+        for entry in self.pruned_heads:
+            site, head = entry.rsplit(":", 1)
+            out.setdefault(site, []).append(int(head))
+        return {site: sorted(heads) for site, heads in out.items()}
+
+    def pruned_heads_problems(self) -> list[str]:
+        sites, out = set(self.attention_sites()), []
+        for entry in self.pruned_heads:
+            site, _, head = entry.rpartition(":")
+            if site not in sites or not head.isdigit() or int(head) >= self.n_heads:
+                out.append(f"model.pruned_heads: expected SITE:HEAD with SITE one of this model's attention "
+                           f"modules (e.g. encoder.0.self_attn) and HEAD below {self.n_heads}, found {entry!r}")
+        if not out:
+            for site, heads in self.pruned_by_site().items():
+                if len(set(heads)) != len(heads) or len(heads) >= self.n_heads:
+                    out.append(f"model.pruned_heads: {site} must keep at least one head and name each "
+                               f"once, found {heads}")
         return out
 
 

@@ -102,6 +102,11 @@ class Tokenizer:
     def vocab_size(self, side: Side) -> int:
         return self._model(side).get_piece_size()
 
+    def vocabulary(self, side: Side) -> list[str]:
+        """The piece of every id, in id order."""
+        model = self._model(side)
+        return [model.id_to_piece(i) for i in range(model.get_piece_size())]
+
     def _model(self, side: Side) -> spm.SentencePieceProcessor:
         if side not in self._models:
             raise ValueError(f"side must be 'source' or 'target', not {side!r}")

@@ -117,6 +117,13 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        # Set by build_model for model.positional = "rope" (self-attention only): rotates q and k.
+        self.rotary: nn.Module | None = None
+        # Head inspection (xformer/heads): a (H,) multiplier on each head's output before out_proj
+        # (0 ablates a head; a leaf with requires_grad gives Michel et al.'s gate gradient), and a
+        # callback that receives the probabilities (B, H, T, S) of every forward.
+        self.head_gate: Tensor | None = None
+        self.on_probs = None
 
     def forward(
         self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,
@@ -136,12 +143,59 @@ class MultiHeadAttention(nn.Module):
             s = source.size(1)
             k = self.k_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, Dh)
             v = self.v_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+            if self.rotary is not None and memory is None:
+                past = 0 if cache is None else cache.length  # positions of the new tokens start here
+                q, k = self.rotary.rotate(q, past), self.rotary.rotate(k, past)
             if cache is not None:
                 k, v = cache.append(k, v)
         probs = None
-        if need_weights or self.backend == "explicit":
+        if need_weights or self.on_probs is not None or self.backend == "explicit":
             out, probs = explicit_attention(q, k, v, mask, is_causal, self.dropout, self.training)
+            if self.on_probs is not None:
+                self.on_probs(probs)
         else:
             out = sdpa_attention(q, k, v, mask, is_causal, self.dropout, self.training)
+        if self.head_gate is not None:
+            out = out * self.head_gate.to(out.dtype)[:, None, None]  # (B, H, T, Dh) * (H, 1, 1)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*Dh)
         return self.out_proj(out), probs if need_weights else None
+
+    def prune_heads(self, remove: list[int]) -> None:
+        """Remove query heads `remove` (indices into the current heads) physically: their rows of
+        q_proj and columns of out_proj go; a key/value head goes with the last query head that
+        reads it. If the surviving groups are uneven, every surviving query head gets its own
+        copy of its key/value head (GQA becomes MHA with the same outputs)."""
+        keep = [h for h in range(self.n_heads) if h not in set(remove)]
+        if not keep:
+            raise ValueError("cannot remove every head of an attention module")
+        group = self.n_heads // self.n_kv_heads
+        kv_of = [h // group for h in keep]
+        kv_keep = sorted(set(kv_of))
+        per_kv = [kv_of.count(g) for g in kv_keep]
+        if len(set(per_kv)) == 1:  # even groups: keep the grouped layout
+            kv_rows = kv_keep
+        else:
+            kv_rows = kv_of
+        dh = self.head_dim
+
+        def rows(heads):
+            return torch.cat([torch.arange(h * dh, (h + 1) * dh) for h in heads])
+
+        self.q_proj = _select(self.q_proj, rows(keep), dim=0)
+        self.k_proj = _select(self.k_proj, rows(kv_rows), dim=0)
+        self.v_proj = _select(self.v_proj, rows(kv_rows), dim=0)
+        self.out_proj = _select(self.out_proj, rows(keep), dim=1)
+        self.n_heads, self.n_kv_heads = len(keep), len(kv_rows)
+        self.head_gate = None
+
+
+def _select(linear: nn.Linear, index: Tensor, dim: int) -> nn.Linear:
+    """A copy of `linear` keeping output features (dim 0) or input features (dim 1) `index`."""
+    weight = linear.weight.detach().index_select(dim, index.to(linear.weight.device))
+    out = nn.Linear(weight.size(1), weight.size(0), bias=linear.bias is not None,
+                    device=weight.device, dtype=weight.dtype)
+    with torch.no_grad():
+        out.weight.copy_(weight)
+        if linear.bias is not None:
+            out.bias.copy_(linear.bias if dim == 1 else linear.bias.index_select(0, index.to(weight.device)))
+    return out

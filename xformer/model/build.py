@@ -13,7 +13,7 @@ from xformer.model.attention import MultiHeadAttention
 from xformer.model.feedforward import FeedForward
 from xformer.model.lstm import LSTMClassifier, match_hidden
 from xformer.model.norms import NORMS
-from xformer.model.positional import POSITIONAL
+from xformer.model.positional import POSITIONAL, RotaryPositional
 from xformer.model.transformer import (
     Classifier,
     Decoder,
@@ -53,14 +53,22 @@ def build_model(
         if cfg.positional == "learned":  # at the scale of the (possibly sqrt(D)-scaled) tokens
             positional = POSITIONAL["learned"](cfg.d_model, cfg.max_positions,
                                                std=1.0 if cfg.scale_embeddings else cfg.d_model**-0.5)
+        elif cfg.positional == "rope":  # rotates queries and keys: see share_rotary
+            positional = POSITIONAL["rope"](cfg.head_dim, cfg.max_positions)
         else:
             positional = POSITIONAL[cfg.positional](cfg.d_model, cfg.max_positions)
         return Embedder(embedding, positional, cfg.max_positions, cfg.dropout, cfg.scale_embeddings)
 
+    def share_rotary(stack):  # RoPE acts inside every self-attention of the stack
+        if isinstance(stack.embed.positional, RotaryPositional):
+            for layer in stack.layers:
+                layer.self_attn.rotary = stack.embed.positional
+        return stack
+
     src_embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
     encoder_layers = [EncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
                       for _ in range(cfg.n_encoder_layers)]
-    encoder = Encoder(embedder(src_embedding), encoder_layers, final_norm())
+    encoder = share_rotary(Encoder(embedder(src_embedding), encoder_layers, final_norm()))
 
     if cfg.arch == "classifier":
         if n_classes is None:
@@ -76,14 +84,29 @@ def build_model(
             tgt_embedding = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=pad_id)
         decoder_layers = [DecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
                           for _ in range(cfg.n_decoder_layers)]
-        decoder = Decoder(embedder(tgt_embedding), decoder_layers, final_norm())
+        decoder = share_rotary(Decoder(embedder(tgt_embedding), decoder_layers, final_norm()))
         output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
         if cfg.tie_embeddings != "none":
             output.weight = tgt_embedding.weight  # Press & Wolf 2017, arXiv:1608.05859
         model = Seq2Seq(encoder, decoder, output, pad_id)
     if init:
         init_fairseq_(model, cfg.d_model)
+    sites = attention_modules(model)
+    for site, heads in cfg.pruned_by_site().items():
+        sites[site].prune_heads(heads)
     return model
+
+
+def attention_modules(model: nn.Module) -> dict[str, MultiHeadAttention]:
+    """The attention modules of a Seq2Seq or Classifier by site name (ModelConfig.attention_sites
+    order): encoder.<i>.self_attn, decoder.<i>.self_attn, decoder.<i>.cross_attn."""
+    encoder = model.encoder
+    out = {f"encoder.{i}.self_attn": layer.self_attn for i, layer in enumerate(encoder.layers)}
+    if isinstance(model, Seq2Seq):
+        for i, layer in enumerate(model.decoder.layers):
+            out[f"decoder.{i}.self_attn"] = layer.self_attn
+            out[f"decoder.{i}.cross_attn"] = layer.cross_attn
+    return out
 
 
 def matched_lstm_hidden(cfg: ModelConfig, vocab_size: int, n_classes: int) -> int:

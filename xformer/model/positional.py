@@ -1,7 +1,8 @@
-"""Absolute position encodings, one entry per `model.positional` value.
+"""Position encodings, one entry per `model.positional` value.
 
 Each module maps (B, T, D) embeddings to (B, T, D), adding the encoding of positions
-`offset .. offset + T - 1` (offset > 0 when decoding with a KV cache).
+`offset .. offset + T - 1` (offset > 0 when decoding with a KV cache). Rotary positions add
+nothing there: self-attention rotates its queries and keys instead (`RotaryPositional.rotate`).
 """
 
 import math
@@ -51,4 +52,32 @@ class LearnedPositional(nn.Module):
         return x + self.embedding(positions)
 
 
-POSITIONAL = {"sinusoidal": SinusoidalPositional, "learned": LearnedPositional}
+class RotaryPositional(nn.Module):
+    """Rotary position embedding, RoPE (Su et al. 2021, arXiv:2104.09864).
+
+    Feature pairs (i, i + Dh/2) of every query and key at position p are rotated by the angle
+    p * base^(-2i/Dh) (the half-split pairing of GPT-NeoX and Llama), so q_p . k_r depends on
+    p - r only. Embeddings pass through unchanged; build_model hands this module to every
+    self-attention, which calls `rotate`. Cross-attention stays position-free.
+    """
+
+    def __init__(self, head_dim: int, max_positions: int, base: float = 10000.0):
+        super().__init__()
+        inv_freq = base ** (-torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)  # (Dh/2,)
+        angle = torch.arange(max_positions, dtype=torch.float32)[:, None] * inv_freq  # (P, Dh/2)
+        self.register_buffer("cos", torch.cat([angle.cos(), angle.cos()], dim=-1), persistent=False)
+        self.register_buffer("sin", torch.cat([angle.sin(), angle.sin()], dim=-1), persistent=False)
+
+    def forward(self, x: Tensor, offset: int = 0) -> Tensor:
+        return x
+
+    def rotate(self, x: Tensor, offset: int = 0) -> Tensor:
+        """x: (B, H, T, Dh) queries or keys at positions offset .. offset + T - 1."""
+        t, half = x.size(-2), x.size(-1) // 2
+        cos = self.cos[offset : offset + t].to(x.dtype)  # (T, Dh)
+        sin = self.sin[offset : offset + t].to(x.dtype)
+        rotated_half = torch.cat([-x[..., half:], x[..., :half]], dim=-1)
+        return x * cos + rotated_half * sin
+
+
+POSITIONAL = {"sinusoidal": SinusoidalPositional, "learned": LearnedPositional, "rope": RotaryPositional}
