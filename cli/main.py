@@ -8,6 +8,7 @@ import xformer
 from xformer_cli.check import check
 from xformer_cli.common import STATE
 from xformer_cli.evaluate import evaluate, translate
+from xformer_cli.heads import inspect_heads_command
 from xformer_cli.longrange import longrange
 from xformer_cli.tokenize import tokenize
 from xformer_cli.train import train
@@ -45,3 +46,4 @@ app.command("train")(train)
 app.command("eval")(evaluate)
 app.command("translate")(translate)
 app.command("longrange")(longrange)
+app.command("inspect-heads")(inspect_heads_command)

@@ -1,0 +1,218 @@
+"""Head inspection (issue 5): statistics find a head built to attend to the previous token,
+ablation and gate gradients mean what they say, physical pruning equals masking, and the CLI
+writes every artifact for a translation and a classification run."""
+
+import dataclasses
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from xformer.config import ModelConfig, load_recipe
+from xformer.data.classify import Examples, TextEncoder
+from xformer.heads import importance as imp
+from xformer.heads.stats import clusters, collect
+from xformer.heads.subject import ClassificationSubject
+from xformer.model.build import attention_modules, build_model
+from xformer.runtime import resolve_runtime
+from xformer_cli.main import app
+
+ROOT = Path(__file__).resolve().parents[1]
+RECALL = ROOT / "recipes" / "longrange" / "recall_transformer.toml"
+MT = ROOT / "recipes" / "translation" / "multi30k_de_en.toml"
+runner = CliRunner()
+T = 30  # sequence length of the constructed examples
+
+
+def subject_for(model, cfg: ModelConfig, vocab: int = 20, n: int = 12, seed: int = 0) -> ClassificationSubject:
+    recipe = load_recipe(RECALL, ["data.max_tokens=4096"])
+    recipe = dataclasses.replace(recipe, model=cfg)
+    rng = np.random.default_rng(seed)
+    examples = Examples.from_pairs([(rng.integers(1, vocab, T).tolist(), int(rng.integers(0, 3))) for _ in range(n)])
+    encoder = TextEncoder("task", [f"t{i}" for i in range(vocab)])
+    frequency = {"source": np.arange(vocab, 0, -1)}  # id 1 most frequent, id vocab-1 rarest
+    return ClassificationSubject(model, recipe, resolve_runtime("cpu", "fp32"), encoder, examples, frequency)
+
+
+def previous_token_model():
+    """Encoder layer 0, head 0 attends to the previous position by construction: positions are
+    one-hot in dims 0..31 (tokens live in dims 32..63), q = 10 * position, k = 10 * (position + 1)."""
+    cfg = ModelConfig(arch="classifier", d_model=64, n_heads=2, d_ff=32, n_encoder_layers=2, dropout=0.0,
+                      positional="learned", max_positions=32, scale_embeddings=False, norm_position="post",
+                      pooling="mean")
+    model = build_model(cfg, 20, n_classes=3).eval()
+    with torch.no_grad():
+        model.encoder.embed.positional.embedding.weight.zero_()
+        model.encoder.embed.positional.embedding.weight[:, :32] = torch.eye(32)
+        model.encoder.embed.embedding.weight[:, :32] = 0.0
+        attn = model.encoder.layers[0].self_attn
+        attn.q_proj.weight[:32].zero_()
+        attn.k_proj.weight[:32].zero_()
+        attn.q_proj.weight[:32, :32] = 10 * torch.eye(32)
+        attn.k_proj.weight[:32, :32] = 10 * torch.eye(32).roll(1, dims=0)  # k_j lands where q_{j+1} is
+        for proj in (attn.q_proj, attn.k_proj):
+            proj.bias.zero_()
+    return cfg, model
+
+
+def test_the_positional_detector_finds_exactly_the_previous_token_head():
+    cfg, model = previous_token_model()
+    subject = subject_for(model, cfg)
+    stats = collect(subject, attention_modules(model))
+    head = stats["heads"]["encoder.0.self_attn"][0]
+    assert head["offset_rates"]["-1"] == pytest.approx((T - 1) / T)  # every query but position 0
+    assert head["roles"] == ["positional-1"]
+    others = [h for site, hs in stats["heads"].items() for i, h in enumerate(hs)
+              if (site, i) != ("encoder.0.self_attn", 0)]
+    assert not any(r.startswith("positional") for h in others for r in h["roles"])
+    assert head["confidence"] > 0.95 and head["entropy"] < 0.3
+    # one position away, except position 0, which sees nothing to prefer and spreads over all T
+    assert head["distance"] == pytest.approx(((T - 1) + (T - 1) / 2) / T, abs=1e-3)
+
+
+def test_rare_word_rate_counts_the_argmax_on_the_rarest_key():
+    cfg, model = previous_token_model()
+    subject = subject_for(model, cfg, n=4)
+    for batch in subject.batches:  # one rare token (id 19) at position 5 among frequent ones:
+        batch["tokens"][:, :] = 1  # the previous-token head lands on it from position 6 only
+        batch["tokens"][:, 5] = 19
+    stats = collect(subject, attention_modules(model))
+    head = stats["heads"]["encoder.0.self_attn"][0]
+    assert head["rare_rate"] == pytest.approx(1 / T)
+    assert head["rare_chance"] == pytest.approx(1 / T)
+
+
+def test_ablating_a_head_whose_output_projection_is_zero_changes_nothing():
+    cfg, model = previous_token_model()
+    with torch.no_grad():
+        model.encoder.layers[1].self_attn.out_proj.weight[:, 32:] = 0.0  # head 1 of layer 1 writes nothing
+    subject = subject_for(model, cfg)
+    sites = attention_modules(model)
+    _, deltas = imp.ablation(subject, sites, "loss")
+    assert deltas["encoder.1.self_attn"][1] == pytest.approx(0.0, abs=1e-6)
+    assert abs(deltas["encoder.1.self_attn"][0]) > 1e-5 and abs(deltas["encoder.0.self_attn"][0]) > 1e-5
+
+
+def test_gate_gradient_matches_finite_differences():
+    cfg, model = previous_token_model()
+    subject = subject_for(model.double(), cfg, n=6)  # float64: central differences to 1e-4 are exact enough
+    subject.batches = subject.batches[:1]
+    sites = attention_modules(model)
+    grads = imp.gate_gradients(subject, sites)
+    eps = 1e-4
+    for site, h in (("encoder.0.self_attn", 0), ("encoder.1.self_attn", 1)):
+        values = []
+        for step in (eps, -eps):
+            gate = torch.ones(sites[site].n_heads, dtype=torch.float64)
+            gate[h] += step
+            sites[site].head_gate = gate
+            values.append(subject.mean_loss())
+            sites[site].head_gate = None
+        numeric = (values[0] - values[1]) / (2 * eps)
+        assert grads[site][h] == pytest.approx(abs(numeric), rel=1e-4)
+
+
+@pytest.mark.parametrize("n_kv_heads,remove", [(None, [1]), (2, [0]), (2, [0, 1]), (1, [1, 2])])
+def test_a_physically_pruned_model_equals_the_masked_one(n_kv_heads, remove):
+    cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=n_kv_heads, d_ff=32, n_encoder_layers=2, n_decoder_layers=2,
+                      dropout=0.0, tie_embeddings="none")
+    model = build_model(cfg, 30).eval()
+    src, tgt = torch.randint(4, 30, (3, 7)), torch.randint(4, 30, (3, 5))
+    sites = attention_modules(model)
+    heads = [(s, h) for s in ("encoder.1.self_attn", "decoder.0.cross_attn", "decoder.1.self_attn") for h in remove]
+    with torch.no_grad(), imp.masked(sites, heads):
+        expected = model(src, tgt)
+    pruned_cfg = dataclasses.replace(cfg, pruned_heads=[f"{s}:{h}" for s, h in heads])
+    assert pruned_cfg.problems() == []
+    for site, hs in pruned_cfg.pruned_by_site().items():
+        sites[site].prune_heads(hs)
+    reloaded = build_model(pruned_cfg, 30, init=False).eval()
+    reloaded.load_state_dict(model.state_dict())  # shapes agree with what the recipe builds
+    with torch.no_grad():
+        torch.testing.assert_close(reloaded(src, tgt), expected, atol=1e-5, rtol=0)
+        memory, pad = reloaded.encode(src)  # incremental decoding still equals the full forward
+        cache = reloaded.new_cache()
+        steps = torch.cat([reloaded.decode(tgt[:, t:t + 1], memory, pad, cache) for t in range(5)], dim=1)
+    torch.testing.assert_close(steps, expected, atol=1e-5, rtol=0)
+    assert attention_modules(reloaded)["encoder.1.self_attn"].n_heads == 4 - len(remove)
+
+
+def test_pruned_heads_are_validated():
+    cfg = ModelConfig(d_model=32, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1)
+    bad = dataclasses.replace(cfg, pruned_heads=["encoder.3.self_attn:0", "decoder.0.cross_attn:5", "nonsense"])
+    assert len(bad.problems()) == 3
+    every = dataclasses.replace(cfg, pruned_heads=["encoder.0.self_attn:0", "encoder.0.self_attn:1"])
+    assert "must keep at least one head" in every.problems()[0]
+
+
+def test_spearman_and_clusters_on_known_cases():
+    assert imp.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert imp.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)
+    assert imp.spearman([1, 2, 2, 3], [1, 2, 3, 4]) == pytest.approx(np.corrcoef([0, 1.5, 1.5, 3], [0, 1, 2, 3])[0, 1])
+    distance = np.array([[0, 0.1, 0.9, 0.9], [0.1, 0, 0.9, 0.9], [0.9, 0.9, 0, 0.2], [0.9, 0.9, 0.2, 0]])
+    assert clusters(distance, 0.3) == [[0, 1], [2, 3]]
+
+
+def invoke(*args):
+    return runner.invoke(app, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_cli_inspects_a_classifier_and_writes_every_artifact(tmp_path):
+    run = tmp_path / "recall"
+    sets = ["data.max_len=24", "data.n_train=200", "data.n_valid=40", "data.n_test=40", "data.max_tokens=1024",
+            "model.d_model=32", "model.d_ff=64", "model.n_heads=2", "model.pooling=cls", "train.max_steps=10",
+            "train.max_time=0.0", "train.valid_every=10", "train.warmup_steps=2"]
+    trained = invoke("train", RECALL, "--out", run, *[x for s in sets for x in ("--set", s)], "--device", "cpu")
+    assert trained.exit_code == 0, trained.output
+    out = tmp_path / "heads"
+    result = invoke("inspect-heads", run, "--out", out, "--n-examples", 30, "--importance", "accuracy", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)  # progress goes to stderr
+    assert len(report["heads"]) == 2 * 2 and report["n_examples"] == 30
+    assert {"heads.json", "heads_grid.png", "report.html", "attention_example0.png"} <= {p.name for p in out.iterdir()}
+    html = (out / "report.html").read_text()
+    assert "data:image/png;base64," in html and "http" not in html.replace("http-equiv", "")  # offline
+    assert json.loads((out / "heads.json").read_text())["rank_correlation"].keys() == report["rank_correlation"].keys()
+    bad = invoke("inspect-heads", run, "--importance", "bleu")
+    assert bad.exit_code == 2 and "accuracy" in bad.output
+
+
+@pytest.fixture(scope="module")
+def translation_run(tmp_path_factory, shared_dir):
+    folder = tmp_path_factory.mktemp("m30k")
+    for name, n in (("train", 400), ("val", 30), ("test", 30)):
+        lines = (shared_dir / "data" / "multi30k" / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()[:n]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    run = tmp_path_factory.mktemp("runs") / "mt"
+    sets = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=2",
+            "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=512", "train.warmup_steps=5",
+            "train.lr=3e-3", "train.valid_every=20", "train.average_last=2", "train.max_time=0.0",
+            "train.max_steps=20", "eval.beam=2", f"data.dataset={json.dumps(str(folder))}"]
+    result = invoke("train", MT, "--out", run, *[x for s in sets for x in ("--set", s)], "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    return run
+
+
+def test_cli_inspects_prunes_and_saves_a_translation_model(translation_run, tmp_path):
+    out, pruned = tmp_path / "heads", tmp_path / "pruned"
+    result = invoke("inspect-heads", translation_run, "--out", out, "--n-examples", 20, "--save-pruned", pruned,
+                    "--max-drop", 100)
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "heads.json").read_text())
+    assert {h["space"] for h in report["heads"]} == {"encoder", "decoder", "cross"}
+    assert len(report["heads"]) == 2 * 2 + 2 + 2
+    curve = report["pruning"]["overall"]
+    assert [p["pruned"] for p in curve] == [round(f * 8) for f in (0, .1, .2, .3, .4, .5, .6, .7, .8, .9)]
+    assert set(report["pruning"]["by_space"]) == {"encoder", "decoder", "cross"}
+    assert (out / "pruning.png").exists() and "pruning" in report["artifacts"]
+    saved = report["pruned_model"]
+    assert saved["parameters"] < saved["parameters_before"]
+    evaluated = invoke("eval", pruned, "--json")  # the pruned run is a run `xformer eval` loads
+    assert evaluated.exit_code == 0, evaluated.output
+    assert json.loads(evaluated.output)["bleu"] == pytest.approx(saved["metric"], abs=1e-6)
+    again = invoke("inspect-heads", translation_run, "--out", out, "--n-examples", 5, "--save-pruned", pruned)
+    assert again.exit_code == 2 and "not empty" in again.output  # nothing is overwritten
+    assert invoke("inspect-heads", tmp_path / "missing").exit_code == 2

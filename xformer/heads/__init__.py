@@ -1,0 +1,5 @@
+"""Attention-head analysis (issue 5): capture, statistics and roles, importance, pruning, report."""
+
+from xformer.heads.inspect import inspect_heads
+
+__all__ = ["inspect_heads"]

@@ -1,0 +1,170 @@
+"""How much each attention head matters, three ways, and what removing heads costs.
+
+- ablation: mask one head (gate 0 on its output), re-measure the metric; importance is how
+  much worse it gets (loss up, or BLEU / accuracy down);
+- gradient (Michel et al. 2019, arXiv:1905.10650, section 4.1): I_h = sum over batches of
+  |dL/d xi_h| with gates xi = 1 on every head's output, then divided by the L2 norm of the
+  importances of the same layer (their per-layer normalisation);
+- confidence (Voita et al. 2019): the mean of the head's largest attention weight.
+Rankings are compared by Spearman's rank correlation.
+
+Pruning removes heads in order of increasing importance by masking them, in steps, and
+re-measures; `heads_to_config` turns a masked set into ModelConfig.pruned_heads so that
+build_model removes the heads physically (MultiHeadAttention.prune_heads).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import numpy as np
+import torch
+
+from xformer.heads.subject import Subject
+
+Head = tuple[str, int]  # (site, head index)
+
+
+@contextmanager
+def masked(sites: dict, heads: list[Head]):
+    """Within the block the given heads' outputs are zeroed (gate 0)."""
+    for site, h in heads:
+        module = sites[site]
+        if module.head_gate is None:
+            module.head_gate = torch.ones(module.n_heads, device=module.q_proj.weight.device)
+        module.head_gate[h] = 0.0
+    try:
+        yield
+    finally:
+        for site, _ in heads:
+            sites[site].head_gate = None
+
+
+def ablation(subject: Subject, sites: dict, metric: str,
+             on_head: Callable[[int, int], None] | None = None) -> tuple[float, dict[str, list[float]]]:
+    """The metric with every head, and per site the change when each head alone is masked,
+    signed so that larger = more important."""
+    sign = 1.0 if metric == "loss" else -1.0
+    base = subject.score(metric)
+    total = sum(m.n_heads for m in sites.values())
+    done, out = 0, {}
+    for site, module in sites.items():
+        deltas = []
+        for h in range(module.n_heads):
+            with masked(sites, [(site, h)]):
+                deltas.append(sign * (subject.score(metric) - base))
+            done += 1
+            if on_head:
+                on_head(done, total)
+        out[site] = deltas
+    return base, out
+
+
+def group_ablation(subject: Subject, sites: dict, metric: str) -> dict[str, list[float]]:
+    """For GQA/MQA sites: the change when all query heads of one key/value group are masked."""
+    sign = 1.0 if metric == "loss" else -1.0
+    base = subject.score(metric)
+    out = {}
+    for site, module in sites.items():
+        if module.n_kv_heads == module.n_heads:
+            continue
+        group = module.n_heads // module.n_kv_heads
+        deltas = []
+        for g in range(module.n_kv_heads):
+            with masked(sites, [(site, h) for h in range(g * group, (g + 1) * group)]):
+                deltas.append(sign * (subject.score(metric) - base))
+        out[site] = deltas
+    return out
+
+
+def gate_gradients(subject: Subject, sites: dict) -> dict[str, list[float]]:
+    """Sum over batches of |dL/d gate| per head (L: the batch's mean loss), before normalisation."""
+    model = subject.model
+    was_training = model.training
+    model.eval()  # no dropout: the importance of the deterministic model
+    for p in model.parameters():
+        p.requires_grad_(False)
+    gates = {site: torch.ones(m.n_heads, device=m.q_proj.weight.device, requires_grad=True)
+             for site, m in sites.items()}
+    totals = {site: torch.zeros(m.n_heads, dtype=torch.float64) for site, m in sites.items()}
+    try:
+        for site, module in sites.items():
+            module.head_gate = gates[site]
+        for batch in subject.batches:
+            loss, n = subject.loss_sum(batch)
+            grads = torch.autograd.grad(loss / max(n, 1), list(gates.values()))
+            for site, g in zip(gates, grads, strict=True):
+                totals[site] += g.detach().abs().double().cpu()
+    finally:
+        for module in sites.values():
+            module.head_gate = None
+        for p in model.parameters():
+            p.requires_grad_(True)
+        model.train(was_training)
+    return {site: t.tolist() for site, t in totals.items()}
+
+
+def normalise_per_layer(values: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Michel et al.: divide each layer's (site's) importances by their L2 norm."""
+    out = {}
+    for site, v in values.items():
+        norm = float(np.linalg.norm(v))
+        out[site] = [x / norm if norm > 0 else 0.0 for x in v]
+    return out
+
+
+def spearman(a: list[float], b: list[float]) -> float:
+    """Spearman's rank correlation (ties get their average rank)."""
+    ra, rb = _ranks(np.asarray(a, dtype=float)), _ranks(np.asarray(b, dtype=float))
+    if ra.std() == 0 or rb.std() == 0:
+        return float("nan")
+    return float(np.corrcoef(ra, rb)[0, 1])
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=float)
+    for value in np.unique(x):  # average rank within ties
+        tie = x == value
+        ranks[tie] = ranks[tie].mean()
+    return ranks
+
+
+def flatten(values: dict[str, list[float]]) -> list[tuple[Head, float]]:
+    return [((site, h), v) for site, vs in values.items() for h, v in enumerate(vs)]
+
+
+def prune_curve(subject: Subject, sites: dict, importance: dict[str, list[float]], measure: Callable[[], float],
+                fractions: list[float], on_step: Callable[[int, int], None] | None = None) -> list[dict]:
+    """Mask the least important of the heads `importance` covers (site -> per-head values) at
+    each fraction and measure. Returns [{"fraction", "pruned", "heads", "metric"}]."""
+    ranked = [head for head, _ in sorted(flatten(importance), key=lambda item: item[1])]
+    points = []
+    for i, fraction in enumerate(fractions):
+        heads = ranked[:round(fraction * len(ranked))]
+        with masked(sites, heads):
+            value = measure()
+        points.append({"fraction": fraction, "pruned": len(heads), "heads": [f"{s}:{h}" for s, h in heads],
+                       "metric": value})
+        if on_step:
+            on_step(i + 1, len(fractions))
+    return points
+
+
+def heads_to_config(heads: list[str], sites: dict, importance: dict[str, list[float]]) -> tuple[list[str], list[str]]:
+    """ModelConfig.pruned_heads for masking `heads` ("site:head"), keeping the most important
+    head of a site that would otherwise lose them all. Returns (entries, sites kept alive)."""
+    by_site: dict[str, list[int]] = {}
+    for entry in heads:
+        site, h = entry.rsplit(":", 1)
+        by_site.setdefault(site, []).append(int(h))
+    entries, kept = [], []
+    for site, hs in by_site.items():
+        if len(hs) >= sites[site].n_heads:
+            keep = int(np.argmax(importance[site]))
+            hs = [h for h in hs if h != keep]
+            kept.append(f"{site}:{keep}")
+        entries += [f"{site}:{h}" for h in sorted(hs)]
+    return entries, kept

@@ -1,0 +1,237 @@
+"""`inspect_heads`: the whole head analysis of a trained run, as `xformer inspect-heads` runs it.
+
+    capture + statistics + roles (stats.py)  ->  importance three ways (importance.py)
+      -> optional pruning curves and a physically pruned copy  ->  heads.json + PNGs + report.html
+
+Importance and roles are measured on `split` (default: validation); the pruning curve is
+measured on `prune_split` (default: the test split), so the order in which heads are removed is
+never chosen on the data the cost is reported on.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+import json
+import shutil
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+from xformer.checkpoint import atomic_write_text, run_checkpoint, save_checkpoint
+from xformer.errors import RunError
+from xformer.heads import importance as imp
+from xformer.heads.stats import collect
+from xformer.heads.subject import Subject, load_subject, site_space
+from xformer.model.build import attention_modules, build_model, count_parameters
+
+PRUNE_FRACTIONS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
+SPACE_FRACTIONS = [0.0, 0.25, 0.5, 0.75, 1.0]
+Event = Callable[[str, dict], None]
+
+
+def inspect_heads(
+    run_dir: str | Path, *, out: str | Path | None = None, split: str | None = None, data: str | None = None,
+    n_examples: int = 500, importance: str = "loss", prune: bool = False, prune_split: str | None = None,
+    max_drop: float = 0.5, save_pruned: str | Path | None = None, checkpoint: str | None = None,
+    device: str = "auto", on_event: Event | None = None,
+) -> dict:
+    """Analyse every attention head of a run; write heads.json, PNGs and report.html to `out`
+    (default RUN/heads) and return the heads.json content."""
+    emit = on_event or (lambda kind, info: None)
+    run_dir = Path(run_dir)
+    out = Path(out) if out is not None else run_dir / "heads"
+    if save_pruned is not None:
+        prune = True
+        if Path(save_pruned).exists() and any(Path(save_pruned).iterdir()):
+            raise RunError(f"--save-pruned {save_pruned}: exists and is not empty; choose a new directory")
+    started = time.perf_counter()
+    subject = load_subject(run_dir, split=split, data=data, n_examples=n_examples, checkpoint=checkpoint, device=device)
+    if importance not in subject.metric_names:
+        raise RunError(f"--importance {importance}: a {subject.kind} run ranks heads by "
+                       f"{' or '.join(subject.metric_names)}")
+    sites = attention_modules(subject.model)
+    emit("start", {"sites": len(sites), "heads": sum(m.n_heads for m in sites.values()),
+                   "examples": sum(len(b["rows"]) for b in subject.batches)})
+
+    emit("phase", {"name": "attention statistics", "total": len(subject.batches)})
+    stats = collect(subject, sites)
+    emit("phase", {"name": f"ablation ({importance})", "total": sum(m.n_heads for m in sites.values())})
+    base, ablation = imp.ablation(subject, sites, importance,
+                                  on_head=lambda done, total: emit("advance", {"done": done}))
+    groups = imp.group_ablation(subject, sites, importance)
+    emit("phase", {"name": "gradient importance", "total": 1})
+    raw_gradient = imp.gate_gradients(subject, sites)
+    gradient = imp.normalise_per_layer(raw_gradient)
+    confidence = {site: [h["confidence"] for h in stats["heads"][site]] for site in sites}
+    flat = {name: [v for _, v in imp.flatten(values)] for name, values in
+            (("ablation", ablation), ("gradient", gradient), ("confidence", confidence))}
+    correlation = {f"{a}~{b}": imp.spearman(flat[a], flat[b])
+                   for a, b in (("ablation", "gradient"), ("ablation", "confidence"), ("gradient", "confidence"))}
+
+    heads = []
+    for site, module in sites.items():
+        for h in range(module.n_heads):
+            heads.append({"site": site, "space": site_space(site), "layer": int(site.split(".")[1]), "head": h,
+                          "kv_group": h // (module.n_heads // module.n_kv_heads),
+                          "ablation": ablation[site][h], "gradient": gradient[site][h],
+                          "gradient_raw": raw_gradient[site][h], **stats["heads"][site][h]})
+    report = {
+        "run": str(run_dir), "kind": subject.kind, "split": split or "validation", "data": data,
+        "n_examples": sum(len(b["rows"]) for b in subject.batches), "importance_metric": importance,
+        "base_metric": base, "heads": heads, "kv_groups": groups,
+        "rank_correlation": correlation, "similarity": stats["similarity"], "criteria": _criteria(),
+        "syntactic": _syntactic_note(),
+    }
+    if prune:
+        report["pruning"] = _pruning(subject, sites, ablation, prune_split, max_drop, emit)
+        if save_pruned is not None:
+            report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, report["pruning"],
+                                                  Path(save_pruned), checkpoint)
+    report["seconds"] = time.perf_counter() - started
+    emit("phase", {"name": "report", "total": 1})
+    from xformer.heads.report import write_artifacts
+
+    report["artifacts"] = write_artifacts(out, report, stats["examples"])
+    atomic_write_text(out / "heads.json", json.dumps(report, indent=2))
+    return report
+
+
+def _pruning(subject: Subject, sites: dict, ablation: dict, prune_split: str | None, max_drop: float,
+             emit: Event) -> dict:
+    """Curves of the held-out metric as heads go in order of increasing ablation importance:
+    over the whole model, and within each space (encoder self, decoder self, cross)."""
+    held_out, name = _held_out(subject, prune_split)
+    metric = "bleu" if subject.kind == "translation" else "accuracy"
+    timings: list[float] = []
+
+    def measure():
+        started = time.perf_counter()
+        value = subject.score(metric, held_out)
+        timings.append(time.perf_counter() - started)
+        return value
+
+    spaces = sorted({site_space(s) for s in sites}, key=["encoder", "decoder", "cross"].index)
+    total = len(PRUNE_FRACTIONS) + len(spaces) * (len(SPACE_FRACTIONS) - 1)
+    emit("phase", {"name": f"pruning curve ({metric} on {name})", "total": total})
+    done = 0
+
+    def tick(*_):
+        nonlocal done
+        done += 1
+        emit("advance", {"done": done})
+
+    overall = imp.prune_curve(subject, sites, ablation, measure, PRUNE_FRACTIONS, on_step=tick)
+    base = overall[0]["metric"]
+    by_space = {}
+    for space in spaces:  # only this space's heads, least important first
+        within_space = {s: v for s, v in ablation.items() if site_space(s) == space}
+        curve = imp.prune_curve(subject, sites, within_space, measure, SPACE_FRACTIONS[1:], on_step=tick)
+        by_space[space] = [{"fraction": 0.0, "pruned": 0, "heads": [], "metric": base}] + curve
+    within = [p for p in overall if base - p["metric"] <= max_drop]
+    best = max(within, key=lambda p: p["pruned"])
+    n_heads = sum(m.n_heads for m in sites.values())
+    return {"metric": metric, "split": name, "base": base, "max_drop": max_drop, "overall": overall,
+            "by_space": by_space, "seconds_per_measure": float(np.mean(timings)),
+            "largest_within_max_drop": {"pruned": best["pruned"], "fraction_of_heads": best["pruned"] / n_heads,
+                                        "metric": best["metric"], "drop": base - best["metric"],
+                                        "heads": best["heads"]}}
+
+
+def _held_out(subject: Subject, prune_split: str | None):
+    recipe = subject.recipe
+    if subject.kind == "classification":
+        from xformer.classification import split_examples
+        from xformer.data.classify import TextEncoder
+        from xformer.tokenize import tokenizer_dir
+
+        encoder, saved = TextEncoder.load(tokenizer_dir(subject.run_dir))
+        examples, name = split_examples(recipe, encoder, saved["labels"], prune_split, None)
+        return examples, name
+    from xformer.data.corpus import load_split
+
+    d = recipe.data
+    name = prune_split or d.test_split
+    raw = load_split(d.dataset, name, [d.source_lang, d.target_lang], d.dataset_config or None)
+    return (subject.tokenizer.encode(list(raw[d.source_lang]), "source"), list(raw[d.target_lang])), name
+
+
+def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, pruning: dict, target: Path,
+                 checkpoint: str | None) -> dict:
+    """A new run directory holding the model with the heads of the largest pruning step within
+    max_drop removed: recipe.toml (model.pruned_heads), tokenizer/, checkpoints/<name>."""
+    recipe = subject.recipe
+    chosen = pruning["largest_within_max_drop"]["heads"]
+    entries, kept = imp.heads_to_config(chosen, sites, ablation)
+    already = recipe.model.pruned_by_site()
+    original = []
+    for entry in entries:  # indices of this (possibly already pruned) model -> original indices
+        site, h = entry.rsplit(":", 1)
+        alive = [i for i in range(recipe.model.n_heads) if i not in already.get(site, [])]
+        original.append(f"{site}:{alive[int(h)]}")
+    pruned_cfg = dataclasses.replace(recipe.model, pruned_heads=sorted(set(recipe.model.pruned_heads) | set(original)))
+    pruned_recipe = dataclasses.replace(recipe, model=pruned_cfg)
+    problems = pruned_cfg.problems()
+    if problems:
+        raise RunError(problems[0])
+    model = subject.model
+    pruned = copy.deepcopy(model)
+    for site, hs in pruned_cfg_sites(entries).items():
+        attention_modules(pruned)[site].prune_heads(hs)
+    vocab = dict(vocab_size=model.encoder.embed.embedding.num_embeddings, pad_id=0, init=False)
+    if subject.kind == "translation":
+        vocab["tgt_vocab_size"] = model.decoder.embed.embedding.num_embeddings
+    else:
+        vocab["n_classes"] = model.head.out_features
+    smaller = build_model(pruned_cfg, **vocab)  # what `xformer eval` will build from the recipe
+    smaller.load_state_dict(pruned.state_dict())
+    target.mkdir(parents=True, exist_ok=True)
+    atomic_write_text(target / "recipe.toml", pruned_recipe.to_toml())
+    shutil.copytree(run_dir / "tokenizer", target / "tokenizer", dirs_exist_ok=True)
+    name = checkpoint or recipe.eval.checkpoint
+    source = run_checkpoint(run_dir, name)
+    save_checkpoint(target / "checkpoints" / f"{name}.safetensors", smaller, meta={"pruned_from": str(source)})
+    # speed: the held-out measure with the pruned model in place of the full one
+    held_out, _ = _held_out(subject, pruning["split"])
+    subject.model = smaller.to(subject.rt.device).eval()
+    started = time.perf_counter()
+    metric = subject.score(pruning["metric"], held_out)
+    seconds = time.perf_counter() - started
+    subject.model = model
+    return {"path": str(target), "pruned_heads": pruned_cfg.pruned_heads, "kept_to_keep_sites_alive": kept,
+            "parameters": count_parameters(smaller)["total"], "parameters_before": count_parameters(model)["total"],
+            "metric": metric, "seconds": seconds, "seconds_before": pruning["seconds_per_measure"]}
+
+
+def _criteria() -> dict:
+    from xformer.heads import stats
+
+    return {"positional": f"argmax on one relative offset (-1, 0, +1) for >= {stats.POSITIONAL_MIN:.0%} of queries",
+            "rare-word": f"argmax on the sentence's rarest token (training-corpus counts) at >= "
+                         f"{stats.RARE_MIN_RATIO:g}x the uniform chance rate and >= "
+                         f"{stats.RARE_MIN_RATE:.0%} of queries",
+            "special": f">= {stats.SPECIAL_MIN:.0%} of attention mass on BOS/EOS/CLS",
+            "similarity": f"Jensen-Shannon (base 2) between heads of one space; average-linkage clusters "
+                          f"below {stats.CLUSTER_MAX_JS}",
+            "importance": "ablation: metric change with the head masked (larger = more important); gradient: "
+                          "Michel et al. 2019 |dL/dgate| summed over batches, L2-normalised per layer; "
+                          "confidence: mean max weight (Voita et al. 2019)"}
+
+
+def _syntactic_note() -> str:
+    if importlib.util.find_spec("spacy") is None:
+        return "skipped: no dependency parser installed (pip install spacy and a model for the source language)"
+    return "skipped: spaCy is installed but syntactic-head scoring is not implemented yet"
+
+
+
+def pruned_cfg_sites(entries: list[str]) -> dict[str, list[int]]:
+    """"site:head" entries grouped by site."""
+    out: dict[str, list[int]] = {}
+    for entry in entries:
+        site, h = entry.rsplit(":", 1)
+        out.setdefault(site, []).append(int(h))
+    return out
