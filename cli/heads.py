@@ -28,6 +28,8 @@ def inspect_heads_command(
     max_drop: float = typer.Option(0.5, "--max-drop", help="Largest acceptable metric drop for --save-pruned."),
     save_pruned: Path | None = typer.Option(None, "--save-pruned", help="Write the pruned model as a new run "
                                                                         "directory (implies --prune)."),
+    ablate: str = typer.Option("mean", "--ablate", help="A removed head outputs its mean (folded into the "
+                                                         "bias when saved) or zero (Michel et al. 2019)."),
     checkpoint: str | None = typer.Option(None, "--checkpoint", help="best, last or averaged [default: recipe's]."),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print heads.json to stdout instead of the table."),
@@ -53,7 +55,7 @@ def inspect_heads_command(
     with progress:
         report = inspect_heads(run, out=out, split=split, data=data, n_examples=n_examples, importance=importance,
                                prune=prune, prune_split=prune_split, max_drop=max_drop, save_pruned=save_pruned,
-                               checkpoint=checkpoint, device=device, on_event=on_event)
+                               checkpoint=checkpoint, ablate=ablate, device=device, on_event=on_event)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return
@@ -75,11 +77,11 @@ def inspect_heads_command(
 
 
 def heads_table(report: dict) -> Table:
-    table = Table(title=f"attention heads by ablation importance ({report['importance_metric']}, "
+    table = Table(title=f"attention heads by {report['ablate']}-ablation importance ({report['importance_metric']}, "
                         f"{report['n_examples']} examples)", header_style="bold")
-    for column in ("site", "head", "ablation", "gradient", "confidence", "entropy", "special", "roles"):
-        table.add_column(column, justify="left" if column in ("site", "roles") else "right")
+    for column in ("attention", "head", "ablation", "gradient", "confidence", "entropy", "special", "roles"):
+        table.add_column(column, justify="left" if column in ("attention", "roles") else "right", no_wrap=True)
     for h in sorted(report["heads"], key=lambda h: -h["ablation"]):
-        table.add_row(h["site"], str(h["head"]), f"{h['ablation']:+.4f}", f"{h['gradient']:.3f}",
+        table.add_row(f"{h['space']} L{h['layer']}", str(h["head"]), f"{h['ablation']:+.4f}", f"{h['gradient']:.3f}",
                       f"{h['confidence']:.2f}", f"{h['entropy']:.2f}", f"{h['special']:.2f}", ", ".join(h["roles"]))
     return table

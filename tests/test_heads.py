@@ -96,6 +96,22 @@ def test_ablating_a_head_whose_output_projection_is_zero_changes_nothing():
     assert abs(deltas["encoder.1.self_attn"][0]) > 1e-5 and abs(deltas["encoder.0.self_attn"][0]) > 1e-5
 
 
+def test_mean_ablation_of_a_head_with_constant_output_changes_nothing():
+    cfg, model = previous_token_model()
+    with torch.no_grad():  # head 0 of layer 1 reads values that do not depend on the input: a constant
+        attn = model.encoder.layers[1].self_attn
+        attn.v_proj.weight[:32] = 0.0
+        attn.v_proj.bias[:32] = torch.linspace(-1, 1, 32)
+    subject = subject_for(model, cfg)
+    sites = attention_modules(model)
+    means = collect(subject, sites)["mean_outputs"]
+    torch.testing.assert_close(means["encoder.1.self_attn"][0], torch.linspace(-1, 1, 32), atol=1e-5, rtol=0)
+    _, mean_deltas = imp.ablation(subject, sites, "loss", fill=means)
+    _, zero_deltas = imp.ablation(subject, sites, "loss")
+    assert mean_deltas["encoder.1.self_attn"][0] == pytest.approx(0.0, abs=1e-6)
+    assert abs(zero_deltas["encoder.1.self_attn"][0]) > 1e-4  # removing the constant does matter
+
+
 def test_gate_gradient_matches_finite_differences():
     cfg, model = previous_token_model()
     subject = subject_for(model.double(), cfg, n=6)  # float64: central differences to 1e-4 are exact enough
@@ -123,12 +139,13 @@ def test_a_physically_pruned_model_equals_the_masked_one(n_kv_heads, remove):
     src, tgt = torch.randint(4, 30, (3, 7)), torch.randint(4, 30, (3, 5))
     sites = attention_modules(model)
     heads = [(s, h) for s in ("encoder.1.self_attn", "decoder.0.cross_attn", "decoder.1.self_attn") for h in remove]
-    with torch.no_grad(), imp.masked(sites, heads):
+    fill = {site: torch.randn(4, 8) for site in sites}  # mean-ablation: a removed head outputs fill[h]
+    with torch.no_grad(), imp.masked(sites, heads, fill):
         expected = model(src, tgt)
     pruned_cfg = dataclasses.replace(cfg, pruned_heads=[f"{s}:{h}" for s, h in heads])
     assert pruned_cfg.problems() == []
     for site, hs in pruned_cfg.pruned_by_site().items():
-        sites[site].prune_heads(hs)
+        sites[site].prune_heads(hs, fill[site])
     reloaded = build_model(pruned_cfg, 30, init=False).eval()
     reloaded.load_state_dict(model.state_dict())  # shapes agree with what the recipe builds
     with torch.no_grad():

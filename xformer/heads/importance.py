@@ -27,24 +27,26 @@ Head = tuple[str, int]  # (site, head index)
 
 
 @contextmanager
-def masked(sites: dict, heads: list[Head]):
-    """Within the block the given heads' outputs are zeroed (gate 0)."""
+def masked(sites: dict, heads: list[Head], fill: dict | None = None):
+    """Within the block the given heads are ablated: their output is zero, or with `fill`
+    (site -> (H, Dh) mean outputs) their mean output (mean-ablation)."""
     for site, h in heads:
         module = sites[site]
         if module.head_gate is None:
             module.head_gate = torch.ones(module.n_heads, device=module.q_proj.weight.device)
+            module.head_fill = None if fill is None else fill[site].to(module.q_proj.weight.device)
         module.head_gate[h] = 0.0
     try:
         yield
     finally:
         for site, _ in heads:
-            sites[site].head_gate = None
+            sites[site].head_gate = sites[site].head_fill = None
 
 
-def ablation(subject: Subject, sites: dict, metric: str,
+def ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = None,
              on_head: Callable[[int, int], None] | None = None) -> tuple[float, dict[str, list[float]]]:
-    """The metric with every head, and per site the change when each head alone is masked,
-    signed so that larger = more important."""
+    """The metric with every head, and per site the change when each head alone is ablated
+    (see `masked`), signed so that larger = more important."""
     sign = 1.0 if metric == "loss" else -1.0
     base = subject.score(metric)
     total = sum(m.n_heads for m in sites.values())
@@ -52,7 +54,7 @@ def ablation(subject: Subject, sites: dict, metric: str,
     for site, module in sites.items():
         deltas = []
         for h in range(module.n_heads):
-            with masked(sites, [(site, h)]):
+            with masked(sites, [(site, h)], fill):
                 deltas.append(sign * (subject.score(metric) - base))
             done += 1
             if on_head:
@@ -61,7 +63,7 @@ def ablation(subject: Subject, sites: dict, metric: str,
     return base, out
 
 
-def group_ablation(subject: Subject, sites: dict, metric: str) -> dict[str, list[float]]:
+def group_ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = None) -> dict[str, list[float]]:
     """For GQA/MQA sites: the change when all query heads of one key/value group are masked."""
     sign = 1.0 if metric == "loss" else -1.0
     base = subject.score(metric)
@@ -72,7 +74,7 @@ def group_ablation(subject: Subject, sites: dict, metric: str) -> dict[str, list
         group = module.n_heads // module.n_kv_heads
         deltas = []
         for g in range(module.n_kv_heads):
-            with masked(sites, [(site, h) for h in range(g * group, (g + 1) * group)]):
+            with masked(sites, [(site, h) for h in range(g * group, (g + 1) * group)], fill):
                 deltas.append(sign * (subject.score(metric) - base))
         out[site] = deltas
     return out
@@ -137,14 +139,15 @@ def flatten(values: dict[str, list[float]]) -> list[tuple[Head, float]]:
 
 
 def prune_curve(subject: Subject, sites: dict, importance: dict[str, list[float]], measure: Callable[[], float],
-                fractions: list[float], on_step: Callable[[int, int], None] | None = None) -> list[dict]:
+                fractions: list[float], fill: dict | None = None,
+                on_step: Callable[[int, int], None] | None = None) -> list[dict]:
     """Mask the least important of the heads `importance` covers (site -> per-head values) at
     each fraction and measure. Returns [{"fraction", "pruned", "heads", "metric"}]."""
     ranked = [head for head, _ in sorted(flatten(importance), key=lambda item: item[1])]
     points = []
     for i, fraction in enumerate(fractions):
         heads = ranked[:round(fraction * len(ranked))]
-        with masked(sites, heads):
+        with masked(sites, heads, fill):
             value = measure()
         points.append({"fraction": fraction, "pruned": len(heads), "heads": [f"{s}:{h}" for s, h in heads],
                        "metric": value})

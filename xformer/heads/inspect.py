@@ -37,10 +37,14 @@ def inspect_heads(
     run_dir: str | Path, *, out: str | Path | None = None, split: str | None = None, data: str | None = None,
     n_examples: int = 500, importance: str = "loss", prune: bool = False, prune_split: str | None = None,
     max_drop: float = 0.5, save_pruned: str | Path | None = None, checkpoint: str | None = None,
-    device: str = "auto", on_event: Event | None = None,
+    ablate: str = "mean", device: str = "auto", on_event: Event | None = None,
 ) -> dict:
     """Analyse every attention head of a run; write heads.json, PNGs and report.html to `out`
-    (default RUN/heads) and return the heads.json content."""
+    (default RUN/heads) and return the heads.json content. `ablate`: a removed head outputs
+    "zero" (Michel et al.) or its "mean" output over the analysed examples (folded into the
+    out_proj bias when the pruned model is saved)."""
+    if ablate not in ("mean", "zero"):
+        raise RunError(f"--ablate {ablate}: expected mean or zero")
     emit = on_event or (lambda kind, info: None)
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / "heads"
@@ -59,10 +63,11 @@ def inspect_heads(
 
     emit("phase", {"name": "attention statistics", "total": len(subject.batches)})
     stats = collect(subject, sites)
-    emit("phase", {"name": f"ablation ({importance})", "total": sum(m.n_heads for m in sites.values())})
-    base, ablation = imp.ablation(subject, sites, importance,
+    fill = stats["mean_outputs"] if ablate == "mean" else None
+    emit("phase", {"name": f"{ablate}-ablation ({importance})", "total": sum(m.n_heads for m in sites.values())})
+    base, ablation = imp.ablation(subject, sites, importance, fill,
                                   on_head=lambda done, total: emit("advance", {"done": done}))
-    groups = imp.group_ablation(subject, sites, importance)
+    groups = imp.group_ablation(subject, sites, importance, fill)
     emit("phase", {"name": "gradient importance", "total": 1})
     raw_gradient = imp.gate_gradients(subject, sites)
     gradient = imp.normalise_per_layer(raw_gradient)
@@ -82,14 +87,15 @@ def inspect_heads(
     report = {
         "run": str(run_dir), "kind": subject.kind, "split": split or "validation", "data": data,
         "n_examples": sum(len(b["rows"]) for b in subject.batches), "importance_metric": importance,
+        "ablate": ablate,
         "base_metric": base, "heads": heads, "kv_groups": groups,
         "rank_correlation": correlation, "similarity": stats["similarity"], "criteria": _criteria(),
         "syntactic": _syntactic_note(),
     }
     if prune:
-        report["pruning"] = _pruning(subject, sites, ablation, prune_split, max_drop, emit)
+        report["pruning"] = _pruning(subject, sites, ablation, fill, prune_split, max_drop, emit)
         if save_pruned is not None:
-            report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, report["pruning"],
+            report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, report["pruning"],
                                                   Path(save_pruned), checkpoint)
     report["seconds"] = time.perf_counter() - started
     emit("phase", {"name": "report", "total": 1})
@@ -100,8 +106,8 @@ def inspect_heads(
     return report
 
 
-def _pruning(subject: Subject, sites: dict, ablation: dict, prune_split: str | None, max_drop: float,
-             emit: Event) -> dict:
+def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, prune_split: str | None,
+             max_drop: float, emit: Event) -> dict:
     """Curves of the held-out metric as heads go in order of increasing ablation importance:
     over the whole model, and within each space (encoder self, decoder self, cross)."""
     held_out, name = _held_out(subject, prune_split)
@@ -124,12 +130,12 @@ def _pruning(subject: Subject, sites: dict, ablation: dict, prune_split: str | N
         done += 1
         emit("advance", {"done": done})
 
-    overall = imp.prune_curve(subject, sites, ablation, measure, PRUNE_FRACTIONS, on_step=tick)
+    overall = imp.prune_curve(subject, sites, ablation, measure, PRUNE_FRACTIONS, fill, on_step=tick)
     base = overall[0]["metric"]
     by_space = {}
     for space in spaces:  # only this space's heads, least important first
         within_space = {s: v for s, v in ablation.items() if site_space(s) == space}
-        curve = imp.prune_curve(subject, sites, within_space, measure, SPACE_FRACTIONS[1:], on_step=tick)
+        curve = imp.prune_curve(subject, sites, within_space, measure, SPACE_FRACTIONS[1:], fill, on_step=tick)
         by_space[space] = [{"fraction": 0.0, "pruned": 0, "heads": [], "metric": base}] + curve
     within = [p for p in overall if base - p["metric"] <= max_drop]
     best = max(within, key=lambda p: p["pruned"])
@@ -159,8 +165,8 @@ def _held_out(subject: Subject, prune_split: str | None):
     return (subject.tokenizer.encode(list(raw[d.source_lang]), "source"), list(raw[d.target_lang])), name
 
 
-def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, pruning: dict, target: Path,
-                 checkpoint: str | None) -> dict:
+def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, fill: dict | None, pruning: dict,
+                 target: Path, checkpoint: str | None) -> dict:
     """A new run directory holding the model with the heads of the largest pruning step within
     max_drop removed: recipe.toml (model.pruned_heads), tokenizer/, checkpoints/<name>."""
     recipe = subject.recipe
@@ -180,7 +186,7 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, p
     model = subject.model
     pruned = copy.deepcopy(model)
     for site, hs in pruned_cfg_sites(entries).items():
-        attention_modules(pruned)[site].prune_heads(hs)
+        attention_modules(pruned)[site].prune_heads(hs, None if fill is None else fill[site])
     vocab = dict(vocab_size=model.encoder.embed.embedding.num_embeddings, pad_id=0, init=False)
     if subject.kind == "translation":
         vocab["tgt_vocab_size"] = model.decoder.embed.embedding.num_embeddings
@@ -216,7 +222,8 @@ def _criteria() -> dict:
             "special": f">= {stats.SPECIAL_MIN:.0%} of attention mass on BOS/EOS/CLS",
             "similarity": f"Jensen-Shannon (base 2) between heads of one space; average-linkage clusters "
                           f"below {stats.CLUSTER_MAX_JS}",
-            "importance": "ablation: metric change with the head masked (larger = more important); gradient: "
+            "importance": "ablation: metric change with the head's output replaced by zero or by its mean output "
+                          "(--ablate; larger = more important); gradient: "
                           "Michel et al. 2019 |dL/dgate| summed over batches, L2-normalised per layer; "
                           "confidence: mean max weight (Voita et al. 2019)"}
 

@@ -40,21 +40,32 @@ LN2 = float(np.log(2.0))
 @contextmanager
 def capture(sites: dict):
     """Within the block, every forward of the attention modules `sites` (name -> module) runs
-    the explicit path and leaves its probabilities (B, H, T, S) in the yielded dict."""
+    the explicit path and leaves its probabilities (B, H, T, S) in the first yielded dict and
+    the heads' outputs (B, T, H * Dh), the input of out_proj, in the second."""
     maps: dict[str, torch.Tensor] = {}
+    outputs: dict[str, torch.Tensor] = {}
 
     def keeper(name):
         def keep(probs):
             maps[name] = probs.detach().float()
         return keep
 
+    def output_keeper(name):
+        def keep(module, args):
+            outputs[name] = args[0].detach().float()
+        return keep
+
+    hooks = []
     for name, module in sites.items():
         module.on_probs = keeper(name)
+        hooks.append(module.out_proj.register_forward_pre_hook(output_keeper(name)))
     try:
-        yield maps
+        yield maps, outputs
     finally:
         for module in sites.values():
             module.on_probs = None
+        for hook in hooks:
+            hook.remove()
 
 
 class SiteStats:
@@ -189,20 +200,24 @@ def clusters(distance: np.ndarray, threshold: float = CLUSTER_MAX_JS) -> list[li
 def collect(subject: Subject, sites: dict, keep_examples: int = 3) -> dict:
     """Stream every batch of `subject` through the model, capturing `sites`. Returns
     {"heads": {site: [per-head dict]}, "similarity": {space: {"sites", "js", "clusters"}},
-     "examples": [{"rows": example index, site: (H, T, S) map, "queries"/"keys": token strings}]}."""
+     "examples": [{"rows": example index, site: (H, T, S) map, "queries"/"keys": token strings}],
+     "mean_outputs": {site: (H, Dh) mean output of each head over real queries}}."""
     stats = {site: SiteStats(module.n_heads, site_space(site)) for site, module in sites.items()}
     by_space: dict[str, list[str]] = {}
     for site in sites:
         by_space.setdefault(site_space(site), []).append(site)
     similarity = {space: Similarity(sum(sites[s].n_heads for s in names)) for space, names in by_space.items()}
     examples: list[dict] = []
+    output_sums = {site: torch.zeros(m.n_heads * m.head_dim, dtype=torch.float64) for site, m in sites.items()}
     was_training = subject.model.training
     subject.model.eval()
-    with torch.no_grad(), capture(sites) as maps:
+    with torch.no_grad(), capture(sites) as (maps, outputs):
         for batch in subject.batches:
             subject.forward(batch)
             for site, probs in maps.items():
                 tokens = subject.site_tokens(site, batch)
+                real_q = tokens.queries.ne(-1).to(outputs[site].device)
+                output_sums[site] += outputs[site][real_q].sum(0).double().cpu()
                 key_side = subject.side(site, "key")
                 special, punct, rarest = _key_masks(subject, tokens.keys, key_side, site_space(site) != "decoder")
                 stats[site].update(probs, tokens, special, punct, rarest)
@@ -219,8 +234,10 @@ def collect(subject: Subject, sites: dict, keep_examples: int = 3) -> dict:
         labels = [f"{s}:{h}" for s in names for h in range(sites[s].n_heads)]
         out_similarity[space] = {"heads": labels, "js": js.round(4).tolist(),
                                  "clusters": [[labels[i] for i in group] for group in clusters(js)]}
+    means = {site: (output_sums[site] / max(stats[site].queries, 1)).float().view(m.n_heads, m.head_dim)
+             for site, m in sites.items()}
     return {"heads": {site: stats[site].summary() for site in sites}, "similarity": out_similarity,
-            "examples": sorted(examples, key=lambda e: e["row"])}
+            "examples": sorted(examples, key=lambda e: e["row"]), "mean_outputs": means}
 
 
 def _key_masks(subject: Subject, keys: torch.Tensor, side: str, all_visible: bool):

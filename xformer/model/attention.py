@@ -120,9 +120,11 @@ class MultiHeadAttention(nn.Module):
         # Set by build_model for model.positional = "rope" (self-attention only): rotates q and k.
         self.rotary: nn.Module | None = None
         # Head inspection (xformer/heads): a (H,) multiplier on each head's output before out_proj
-        # (0 ablates a head; a leaf with requires_grad gives Michel et al.'s gate gradient), and a
-        # callback that receives the probabilities (B, H, T, S) of every forward.
+        # (0 ablates a head; a leaf with requires_grad gives Michel et al.'s gate gradient), with
+        # head_fill (H, Dh) what a gated-off head outputs instead of 0 (its mean: mean-ablation),
+        # and a callback that receives the probabilities (B, H, T, S) of every forward.
         self.head_gate: Tensor | None = None
+        self.head_fill: Tensor | None = None
         self.on_probs = None
 
     def forward(
@@ -156,16 +158,28 @@ class MultiHeadAttention(nn.Module):
         else:
             out = sdpa_attention(q, k, v, mask, is_causal, self.dropout, self.training)
         if self.head_gate is not None:
-            out = out * self.head_gate.to(out.dtype)[:, None, None]  # (B, H, T, Dh) * (H, 1, 1)
+            gate = self.head_gate.to(out.dtype)[:, None, None]  # (H, 1, 1)
+            out = out * gate  # (B, H, T, Dh)
+            if self.head_fill is not None:
+                out = out + (1 - gate) * self.head_fill.to(out.dtype)[:, None, :]  # (H, 1, Dh)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*Dh)
         return self.out_proj(out), probs if need_weights else None
 
-    def prune_heads(self, remove: list[int]) -> None:
+    def prune_heads(self, remove: list[int], fill: Tensor | None = None) -> None:
         """Remove query heads `remove` (indices into the current heads) physically: their rows of
         q_proj and columns of out_proj go; a key/value head goes with the last query head that
         reads it. If the surviving groups are uneven, every surviving query head gets its own
-        copy of its key/value head (GQA becomes MHA with the same outputs)."""
+        copy of its key/value head (GQA becomes MHA with the same outputs). With `fill` (H, Dh),
+        a removed head's constant output out_proj(fill[h]) is folded into the out_proj bias, so
+        the result equals mean-ablation."""
         keep = [h for h in range(self.n_heads) if h not in set(remove)]
+        if fill is not None:
+            if self.out_proj.bias is None:
+                raise ValueError("folding a removed head's mean output needs an out_proj bias")
+            with torch.no_grad():
+                dh = self.head_dim
+                for h in set(remove):
+                    self.out_proj.bias += self.out_proj.weight[:, h * dh:(h + 1) * dh] @ fill[h].to(self.out_proj.bias)
         if not keep:
             raise ValueError("cannot remove every head of an attention module")
         group = self.n_heads // self.n_kv_heads
@@ -186,7 +200,7 @@ class MultiHeadAttention(nn.Module):
         self.v_proj = _select(self.v_proj, rows(kv_rows), dim=0)
         self.out_proj = _select(self.out_proj, rows(keep), dim=1)
         self.n_heads, self.n_kv_heads = len(keep), len(kv_rows)
-        self.head_gate = None
+        self.head_gate = self.head_fill = None
 
 
 def _select(linear: nn.Linear, index: Tensor, dim: int) -> nn.Linear:
