@@ -216,7 +216,7 @@ def translation_run(tmp_path_factory, shared_dir):
 def test_cli_inspects_prunes_and_saves_a_translation_model(translation_run, tmp_path):
     out, pruned = tmp_path / "heads", tmp_path / "pruned"
     result = invoke("inspect-heads", translation_run, "--out", out, "--n-examples", 20, "--save-pruned", pruned,
-                    "--max-drop", 100)
+                    "--max-drop", 100, "--checkpoint", "last")
     assert result.exit_code == 0, result.output
     report = json.loads((out / "heads.json").read_text())
     assert {h["space"] for h in report["heads"]} == {"encoder", "decoder", "cross"}

@@ -179,7 +179,9 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
         alive = [i for i in range(recipe.model.n_heads) if i not in already.get(site, [])]
         original.append(f"{site}:{alive[int(h)]}")
     pruned_cfg = dataclasses.replace(recipe.model, pruned_heads=sorted(set(recipe.model.pruned_heads) | set(original)))
-    pruned_recipe = dataclasses.replace(recipe, model=pruned_cfg)
+    name = checkpoint or recipe.eval.checkpoint  # the pruned run's only checkpoint, and its eval default
+    pruned_eval = dataclasses.replace(recipe.eval, checkpoint=name)
+    pruned_recipe = dataclasses.replace(recipe, model=pruned_cfg, eval=pruned_eval)
     problems = pruned_cfg.problems()
     if problems:
         raise RunError(problems[0])
@@ -197,7 +199,6 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
     target.mkdir(parents=True, exist_ok=True)
     atomic_write_text(target / "recipe.toml", pruned_recipe.to_toml())
     shutil.copytree(run_dir / "tokenizer", target / "tokenizer", dirs_exist_ok=True)
-    name = checkpoint or recipe.eval.checkpoint
     source = run_checkpoint(run_dir, name)
     save_checkpoint(target / "checkpoints" / f"{name}.safetensors", smaller, meta={"pruned_from": str(source)})
     # speed: the held-out measure with the pruned model in place of the full one
