@@ -30,6 +30,8 @@ def inspect_heads_command(
                                                                         "directory (implies --prune)."),
     ablate: str = typer.Option("mean", "--ablate", help="A removed head outputs its mean (folded into the "
                                                          "bias when saved) or zero (Michel et al. 2019)."),
+    prune_order: str = typer.Option("one-shot", "--prune-order", help="one-shot (increasing ablation importance) "
+                                                                      "or greedy (re-ranked after every step)."),
     checkpoint: str | None = typer.Option(None, "--checkpoint", help="best, last or averaged [default: recipe's]."),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print heads.json to stdout instead of the table."),
@@ -55,7 +57,8 @@ def inspect_heads_command(
     with progress:
         report = inspect_heads(run, out=out, split=split, data=data, n_examples=n_examples, importance=importance,
                                prune=prune, prune_split=prune_split, max_drop=max_drop, save_pruned=save_pruned,
-                               checkpoint=checkpoint, ablate=ablate, device=device, on_event=on_event)
+                               checkpoint=checkpoint, ablate=ablate, prune_order=prune_order, device=device,
+                               on_event=on_event)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return

@@ -165,6 +165,24 @@ def test_pruned_heads_are_validated():
     assert "must keep at least one head" in every.problems()[0]
 
 
+def test_greedy_order_removes_the_cheapest_head_given_those_already_removed():
+    cfg, model = previous_token_model()
+    subject = subject_for(model, cfg)
+    sites = attention_modules(model)
+    heads = [(site, h) for site in sites for h in range(2)]
+    order = imp.greedy_order(subject, sites, heads, "loss", [1, 1])
+    assert sorted(order) == sorted(heads)
+
+    def loss_without(removed):
+        with imp.masked(sites, removed):
+            return subject.mean_loss()
+
+    first = min(heads, key=lambda head: loss_without([head]))
+    second = min((h for h in heads if h != first), key=lambda head: loss_without([first, head]))
+    assert order[:2] == [first, second]
+    assert imp.round_sizes(36, [0.0, 0.1, 0.2, 0.3]) == [4, 3, 4]
+
+
 def test_spearman_and_clusters_on_known_cases():
     assert imp.spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert imp.spearman([1, 2, 3, 4], [4, 3, 2, 1]) == pytest.approx(-1.0)

@@ -138,15 +138,40 @@ def flatten(values: dict[str, list[float]]) -> list[tuple[Head, float]]:
     return [((site, h), v) for site, vs in values.items() for h, v in enumerate(vs)]
 
 
-def prune_curve(subject: Subject, sites: dict, importance: dict[str, list[float]], measure: Callable[[], float],
-                fractions: list[float], fill: dict | None = None,
-                on_step: Callable[[int, int], None] | None = None) -> list[dict]:
-    """Mask the least important of the heads `importance` covers (site -> per-head values) at
-    each fraction and measure. Returns [{"fraction", "pruned", "heads", "metric"}]."""
-    ranked = [head for head, _ in sorted(flatten(importance), key=lambda item: item[1])]
+def one_shot_order(importance: dict[str, list[float]]) -> list[Head]:
+    """Heads in order of increasing importance, as measured once with every other head present."""
+    return [head for head, _ in sorted(flatten(importance), key=lambda item: item[1])]
+
+
+def greedy_order(subject: Subject, sites: dict, candidates: list[Head], metric: str, sizes: list[int],
+                 fill: dict | None = None, on_round: Callable[[int, int], None] | None = None) -> list[Head]:
+    """Removal order found greedily: in round r, with the heads removed so far still ablated,
+    every remaining candidate is ablated in turn and the sizes[r] whose removal hurts `metric`
+    least go next. Re-ranking after each round accounts for heads that stand in for each other
+    (which one-shot ablation, with every other head present, cannot see)."""
+    sign = 1.0 if metric == "loss" else -1.0
+    order: list[Head] = []
+    remaining = list(candidates)
+    for r, size in enumerate(sizes):
+        costs = []
+        for head in remaining:
+            with masked(sites, order + [head], fill):
+                costs.append(sign * subject.score(metric))
+        ranked = [head for _, head in sorted(zip(costs, remaining, strict=True), key=lambda pair: pair[0])]
+        order += ranked[:size]
+        remaining = ranked[size:]
+        if on_round:
+            on_round(r + 1, len(sizes))
+    return order + remaining
+
+
+def prune_curve(sites: dict, order: list[Head], measure: Callable[[], float], fractions: list[float],
+                fill: dict | None = None, on_step: Callable[[int, int], None] | None = None) -> list[dict]:
+    """Ablate the first round(fraction * len(order)) heads of `order` at each fraction and
+    measure. Returns [{"fraction", "pruned", "heads", "metric"}]."""
     points = []
     for i, fraction in enumerate(fractions):
-        heads = ranked[:round(fraction * len(ranked))]
+        heads = order[:round(fraction * len(order))]
         with masked(sites, heads, fill):
             value = measure()
         points.append({"fraction": fraction, "pruned": len(heads), "heads": [f"{s}:{h}" for s, h in heads],
@@ -154,6 +179,12 @@ def prune_curve(subject: Subject, sites: dict, importance: dict[str, list[float]
         if on_step:
             on_step(i + 1, len(fractions))
     return points
+
+
+def round_sizes(n: int, fractions: list[float]) -> list[int]:
+    """How many heads each greedy round removes so that the prefixes land on the curve's points."""
+    counts = [round(f * n) for f in fractions]
+    return [b - a for a, b in zip([0] + counts[:-1], counts, strict=True) if b > a]
 
 
 def heads_to_config(heads: list[str], sites: dict, importance: dict[str, list[float]]) -> tuple[list[str], list[str]]:

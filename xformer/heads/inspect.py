@@ -37,14 +37,17 @@ def inspect_heads(
     run_dir: str | Path, *, out: str | Path | None = None, split: str | None = None, data: str | None = None,
     n_examples: int = 500, importance: str = "loss", prune: bool = False, prune_split: str | None = None,
     max_drop: float = 0.5, save_pruned: str | Path | None = None, checkpoint: str | None = None,
-    ablate: str = "mean", device: str = "auto", on_event: Event | None = None,
+    ablate: str = "mean", prune_order: str = "one-shot", device: str = "auto", on_event: Event | None = None,
 ) -> dict:
     """Analyse every attention head of a run; write heads.json, PNGs and report.html to `out`
     (default RUN/heads) and return the heads.json content. `ablate`: a removed head outputs
     "zero" (Michel et al.) or its "mean" output over the analysed examples (folded into the
-    out_proj bias when the pruned model is saved)."""
+    out_proj bias when the pruned model is saved). `prune_order`: "one-shot" (increasing ablation
+    importance) or "greedy" (re-ranked on `split` after every pruning step, importance.greedy_order)."""
     if ablate not in ("mean", "zero"):
         raise RunError(f"--ablate {ablate}: expected mean or zero")
+    if prune_order not in ("one-shot", "greedy"):
+        raise RunError(f"--prune-order {prune_order}: expected one-shot or greedy")
     emit = on_event or (lambda kind, info: None)
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / "heads"
@@ -93,7 +96,8 @@ def inspect_heads(
         "syntactic": _syntactic_note(),
     }
     if prune:
-        report["pruning"] = _pruning(subject, sites, ablation, fill, prune_split, max_drop, emit)
+        report["pruning"] = _pruning(subject, sites, ablation, fill, prune_order, importance, prune_split,
+                                     max_drop, emit)
         if save_pruned is not None:
             report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, report["pruning"],
                                                   Path(save_pruned), checkpoint)
@@ -106,10 +110,11 @@ def inspect_heads(
     return report
 
 
-def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, prune_split: str | None,
-             max_drop: float, emit: Event) -> dict:
-    """Curves of the held-out metric as heads go in order of increasing ablation importance:
-    over the whole model, and within each space (encoder self, decoder self, cross)."""
+def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, prune_order: str, importance: str,
+             prune_split: str | None, max_drop: float, emit: Event) -> dict:
+    """Curves of the held-out metric as heads go, least important first (one-shot ablation
+    order, or greedy re-ranking on the analysis split): over the whole model, and within each
+    space (encoder self, decoder self, cross)."""
     held_out, name = _held_out(subject, prune_split)
     metric = "bleu" if subject.kind == "translation" else "accuracy"
     timings: list[float] = []
@@ -130,17 +135,31 @@ def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, p
         done += 1
         emit("advance", {"done": done})
 
-    overall = imp.prune_curve(subject, sites, ablation, measure, PRUNE_FRACTIONS, fill, on_step=tick)
+    def order(values: dict, fractions: list[float]) -> list:
+        heads = imp.one_shot_order(values)
+        if prune_order == "one-shot":
+            return heads
+        sizes = imp.round_sizes(len(heads), fractions)
+        emit("phase", {"name": f"greedy pruning order ({importance})", "total": len(sizes)})
+        found = imp.greedy_order(subject, sites, heads, importance, sizes, fill,
+                                 on_round=lambda done, total: emit("advance", {"done": done}))
+        emit("phase", {"name": f"pruning curve ({metric} on {name})", "total": total})
+        emit("advance", {"done": done})
+        return found
+
+    overall = imp.prune_curve(sites, order(ablation, PRUNE_FRACTIONS), measure, PRUNE_FRACTIONS, fill, on_step=tick)
     base = overall[0]["metric"]
     by_space = {}
     for space in spaces:  # only this space's heads, least important first
         within_space = {s: v for s, v in ablation.items() if site_space(s) == space}
-        curve = imp.prune_curve(subject, sites, within_space, measure, SPACE_FRACTIONS[1:], fill, on_step=tick)
+        space_order = order(within_space, SPACE_FRACTIONS)
+        curve = imp.prune_curve(sites, space_order, measure, SPACE_FRACTIONS[1:], fill, on_step=tick)
         by_space[space] = [{"fraction": 0.0, "pruned": 0, "heads": [], "metric": base}] + curve
     within = [p for p in overall if base - p["metric"] <= max_drop]
     best = max(within, key=lambda p: p["pruned"])
     n_heads = sum(m.n_heads for m in sites.values())
-    return {"metric": metric, "split": name, "base": base, "max_drop": max_drop, "overall": overall,
+    return {"metric": metric, "split": name, "order": prune_order, "base": base, "max_drop": max_drop,
+            "overall": overall,
             "by_space": by_space, "seconds_per_measure": float(np.mean(timings)),
             "largest_within_max_drop": {"pruned": best["pruned"], "fraction_of_heads": best["pruned"] / n_heads,
                                         "metric": best["metric"], "drop": base - best["metric"],
