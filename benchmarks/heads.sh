@@ -1,0 +1,24 @@
+#!/usr/bin/env bash
+# Issue 5 benchmark: the head analysis of a trained Multi30k de->en run (README "Attention heads").
+#
+#   benchmarks/heads.sh RUN [OUT] [PRUNE_ORDER]
+#
+# 1. the default analysis (500 validation sentences, loss-based ablation of every head, gradient
+#    importance, report), timed: target under 5 minutes on a 2-core CPU;
+# 2. pruning: heads ranked on validation, BLEU (the run's beam and length penalty) measured on
+#    test at every 10% step; the largest step within 0.5 BLEU saved with its heads removed;
+# 3. `xformer eval` of the saved pruned run, which must reproduce the BLEU of step 2.
+# CHECKPOINT (default averaged) picks the checkpoint; PRUNE_ORDER one-shot or greedy (default).
+set -euo pipefail
+RUN=${1:?usage: benchmarks/heads.sh RUN [OUT] [PRUNE_ORDER]}
+OUT=${2:-$RUN/heads}
+ORDER=${3:-greedy}
+CHECKPOINT=${CHECKPOINT:-averaged}
+if [ -e "$OUT" ]; then echo "$OUT exists; choose a new OUT" >&2; exit 2; fi
+mkdir -p "$OUT"
+start=$(date +%s)
+xformer inspect-heads "$RUN" --checkpoint "$CHECKPOINT" --out "$OUT/analysis" | tee "$OUT/analysis.txt"
+echo "default analysis: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/analysis.txt"
+xformer inspect-heads "$RUN" --checkpoint "$CHECKPOINT" --out "$OUT/prune" --prune --prune-order "$ORDER" \
+    --save-pruned "$OUT/pruned" | tee "$OUT/prune.txt"
+xformer eval "$OUT/pruned" --json | tee "$OUT/pruned_eval.json"
