@@ -28,7 +28,7 @@ def inspect_heads_command(
     max_drop: float = typer.Option(0.5, "--max-drop", help="Largest acceptable metric drop for --save-pruned."),
     save_pruned: Path | None = typer.Option(None, "--save-pruned", help="Write the pruned model as a new run "
                                                                         "directory (implies --prune)."),
-    ablate: str = typer.Option("mean", "--ablate", help="A removed head outputs its mean (folded into the "
+    ablate: str = typer.Option("zero", "--ablate", help="A removed head outputs its mean (folded into the "
                                                          "bias when saved) or zero (Michel et al. 2019)."),
     prune_order: str = typer.Option("one-shot", "--prune-order", help="one-shot (increasing ablation importance) "
                                                                       "or greedy (re-ranked after every step)."),

@@ -37,7 +37,7 @@ def inspect_heads(
     run_dir: str | Path, *, out: str | Path | None = None, split: str | None = None, data: str | None = None,
     n_examples: int = 500, importance: str = "loss", prune: bool = False, prune_split: str | None = None,
     max_drop: float = 0.5, save_pruned: str | Path | None = None, checkpoint: str | None = None,
-    ablate: str = "mean", prune_order: str = "one-shot", device: str = "auto", on_event: Event | None = None,
+    ablate: str = "zero", prune_order: str = "one-shot", device: str = "auto", on_event: Event | None = None,
 ) -> dict:
     """Analyse every attention head of a run; write heads.json, PNGs and report.html to `out`
     (default RUN/heads) and return the heads.json content. `ablate`: a removed head outputs
