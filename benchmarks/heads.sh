@@ -8,11 +8,13 @@
 # 2. pruning: heads ranked on validation, BLEU (the run's beam and length penalty) measured on
 #    test at every 10% step; the largest step within 0.5 BLEU saved with its heads removed;
 # 3. `xformer eval` of the saved pruned run, which must reproduce the BLEU of step 2.
-# CHECKPOINT (default averaged) picks the checkpoint; PRUNE_ORDER one-shot or greedy (default).
+# CHECKPOINT (default averaged) picks the checkpoint; PRUNE_ORDER one-shot (default) or greedy;
+# IMPORTANCE (default loss) the ablation metric that ranks heads (bleu: greedy decoding).
 set -euo pipefail
 RUN=${1:?usage: benchmarks/heads.sh RUN [OUT] [PRUNE_ORDER]}
 OUT=${2:-$RUN/heads}
-ORDER=${3:-greedy}
+ORDER=${3:-one-shot}
+IMPORTANCE=${IMPORTANCE:-loss}
 CHECKPOINT=${CHECKPOINT:-averaged}
 if [ -e "$OUT" ]; then echo "$OUT exists; choose a new OUT" >&2; exit 2; fi
 mkdir -p "$OUT"
@@ -20,5 +22,6 @@ start=$(date +%s)
 xformer inspect-heads "$RUN" --checkpoint "$CHECKPOINT" --out "$OUT/analysis" | tee "$OUT/analysis.txt"
 echo "default analysis: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/analysis.txt"
 xformer inspect-heads "$RUN" --checkpoint "$CHECKPOINT" --out "$OUT/prune" --prune --prune-order "$ORDER" \
+    --importance "$IMPORTANCE" \
     --save-pruned "$OUT/pruned" | tee "$OUT/prune.txt"
-xformer eval "$OUT/pruned" --json | tee "$OUT/pruned_eval.json"
+if [ -d "$OUT/pruned" ]; then xformer eval "$OUT/pruned" --json | tee "$OUT/pruned_eval.json"; fi

@@ -71,7 +71,9 @@ def inspect_heads_command(
         Console().print(f"Pruning: {best['pruned']} heads ({best['fraction_of_heads']:.0%}) removed for "
                         f"{p['metric']} {p['base']:.2f} -> {best['metric']:.2f} on {p['split']} "
                         f"(largest step within --max-drop {p['max_drop']:g})")
-    if "pruned_model" in report:
+    if report.get("pruned_model", {}).get("path") is None and "pruned_model" in report:
+        Console().print(report["pruned_model"]["reason"])
+    elif "pruned_model" in report:
         m = report["pruned_model"]
         Console().print(f"Pruned model: {m['path']} ({m['parameters']:,} parameters, was {m['parameters_before']:,}; "
                         f"{p['metric']} {m['metric']:.2f}; {m['seconds']:.1f} s vs {m['seconds_before']:.1f} s)")

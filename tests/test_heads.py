@@ -213,6 +213,8 @@ def test_cli_inspects_a_classifier_and_writes_every_artifact(tmp_path):
     assert json.loads((out / "heads.json").read_text())["rank_correlation"].keys() == report["rank_correlation"].keys()
     bad = invoke("inspect-heads", run, "--importance", "bleu")
     assert bad.exit_code == 2 and "accuracy" in bad.output
+    bad = invoke("inspect-heads", run, "--prune", "--max-drop", "-1")
+    assert bad.exit_code == 2 and "--max-drop" in bad.output
 
 
 @pytest.fixture(scope="module")

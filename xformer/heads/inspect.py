@@ -48,6 +48,8 @@ def inspect_heads(
         raise RunError(f"--ablate {ablate}: expected mean or zero")
     if prune_order not in ("one-shot", "greedy"):
         raise RunError(f"--prune-order {prune_order}: expected one-shot or greedy")
+    if max_drop < 0:
+        raise RunError(f"--max-drop {max_drop:g}: expected a drop >= 0")
     emit = on_event or (lambda kind, info: None)
     run_dir = Path(run_dir)
     out = Path(out) if out is not None else run_dir / "heads"
@@ -98,7 +100,10 @@ def inspect_heads(
     if prune:
         report["pruning"] = _pruning(subject, sites, ablation, fill, prune_order, importance, prune_split,
                                      max_drop, emit)
-        if save_pruned is not None:
+        if save_pruned is not None and not report["pruning"]["largest_within_max_drop"]["pruned"]:
+            report["pruned_model"] = {"path": None, "reason": f"no pruning step stays within --max-drop {max_drop:g}; "
+                                                              "nothing saved"}
+        elif save_pruned is not None:
             report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, report["pruning"],
                                                   Path(save_pruned), checkpoint)
     report["seconds"] = time.perf_counter() - started
