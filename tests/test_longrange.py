@@ -231,7 +231,7 @@ def test_an_encoder_made_from_other_data_is_refused(tmp_path):
 
 
 def test_a_sweep_length_the_task_cannot_have_is_refused_before_training(tmp_path):
-    sweep = write_sweep(tmp_path, [24, 16], [1], 3)  # recall needs 8 pairs + 4 queries = 20 tokens
+    sweep = write_sweep(tmp_path, [24, 4], [1], 3)  # the recipe's recall needs 2 pairs + 1 query = 5 tokens
     result = runner.invoke(app, ["longrange", str(sweep), "--out", str(tmp_path / "out")])
-    assert result.exit_code == 2 and "at length 16" in result.output and "expected at least 20" in result.output
+    assert result.exit_code == 2 and "at length 4" in result.output and "expected at least 5" in result.output
     assert not (tmp_path / "out").exists()
