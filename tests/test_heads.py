@@ -18,6 +18,7 @@ from xformer.heads.stats import clusters, collect
 from xformer.heads.subject import ClassificationSubject
 from xformer.model.build import attention_modules, build_model
 from xformer.runtime import resolve_runtime
+from xformer.sites import heads_by_site
 from xformer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -144,7 +145,7 @@ def test_a_physically_pruned_model_equals_the_masked_one(n_kv_heads, remove):
         expected = model(src, tgt)
     pruned_cfg = dataclasses.replace(cfg, pruned_heads=[f"{s}:{h}" for s, h in heads])
     assert pruned_cfg.problems() == []
-    for site, hs in pruned_cfg.pruned_by_site().items():
+    for site, hs in heads_by_site(pruned_cfg.pruned_heads).items():
         sites[site].prune_heads(hs, fill[site])
     reloaded = build_model(pruned_cfg, 30, init=False).eval()
     reloaded.load_state_dict(model.state_dict())  # shapes agree with what the recipe builds

@@ -23,6 +23,7 @@ from typing import Any, ClassVar, Literal
 
 from xformer.data.tasks import RECALL_N_KEYS
 from xformer.errors import RecipeError, RunError
+from xformer.sites import pruned_heads_problems
 from xformer.strict import (
     describe,
     did_you_mean,
@@ -142,45 +143,12 @@ class ModelConfig:
             out.append(
                 f"model.d_model: sinusoidal positions need an even d_model, found {self.d_model}"
             )
-        out += self.pruned_heads_problems()
+        out += pruned_heads_problems(self)
         if self.positional == "rope" and self.n_heads > 0 and self.d_model % self.n_heads == 0 and self.head_dim % 2:
             out.append(
                 f"model.d_model: rotary positions need an even head dimension (d_model / n_heads), "
                 f"found {self.head_dim}"
             )
-        return out
-
-
-    def attention_sites(self) -> list[str]:
-        """Names of the attention modules, in model order (xformer/heads reports by these)."""
-        if self.arch == "lstm":
-            return []
-        sites = [f"encoder.{i}.self_attn" for i in range(self.n_encoder_layers)]
-        if self.arch == "seq2seq":
-            for i in range(self.n_decoder_layers):
-                sites += [f"decoder.{i}.self_attn", f"decoder.{i}.cross_attn"]
-        return sites
-
-    def pruned_by_site(self) -> dict[str, list[int]]:
-        """pruned_heads grouped: site -> sorted original head indices (entries assumed valid)."""
-        out: dict[str, list[int]] = {}
-        for entry in self.pruned_heads:
-            site, head = entry.rsplit(":", 1)
-            out.setdefault(site, []).append(int(head))
-        return {site: sorted(heads) for site, heads in out.items()}
-
-    def pruned_heads_problems(self) -> list[str]:
-        sites, out = set(self.attention_sites()), []
-        for entry in self.pruned_heads:
-            site, _, head = entry.rpartition(":")
-            if site not in sites or not head.isdigit() or int(head) >= self.n_heads:
-                out.append(f"model.pruned_heads: expected SITE:HEAD with SITE one of this model's attention "
-                           f"modules (e.g. encoder.0.self_attn) and HEAD below {self.n_heads}, found {entry!r}")
-        if not out:
-            for site, heads in self.pruned_by_site().items():
-                if len(set(heads)) != len(heads) or len(heads) >= self.n_heads:
-                    out.append(f"model.pruned_heads: {site} must keep at least one head and name each "
-                               f"once, found {heads}")
         return out
 
 

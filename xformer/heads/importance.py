@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from xformer.heads.subject import Subject
+from xformer.sites import heads_by_site
 
 Head = tuple[str, int]  # (site, head index)
 
@@ -190,12 +191,8 @@ def round_sizes(n: int, fractions: list[float]) -> list[int]:
 def heads_to_config(heads: list[str], sites: dict, importance: dict[str, list[float]]) -> tuple[list[str], list[str]]:
     """ModelConfig.pruned_heads for masking `heads` ("site:head"), keeping the most important
     head of a site that would otherwise lose them all. Returns (entries, sites kept alive)."""
-    by_site: dict[str, list[int]] = {}
-    for entry in heads:
-        site, h = entry.rsplit(":", 1)
-        by_site.setdefault(site, []).append(int(h))
     entries, kept = [], []
-    for site, hs in by_site.items():
+    for site, hs in heads_by_site(heads).items():
         if len(hs) >= sites[site].n_heads:
             keep = int(np.argmax(importance[site]))
             hs = [h for h in hs if h != keep]

@@ -27,6 +27,7 @@ from xformer.heads import importance as imp
 from xformer.heads.stats import collect
 from xformer.heads.subject import Subject, load_subject, site_space
 from xformer.model.build import attention_modules, build_model, count_parameters
+from xformer.sites import heads_by_site
 
 PRUNE_FRACTIONS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 SPACE_FRACTIONS = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -196,7 +197,7 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
     recipe = subject.recipe
     chosen = pruning["largest_within_max_drop"]["heads"]
     entries, kept = imp.heads_to_config(chosen, sites, ablation)
-    already = recipe.model.pruned_by_site()
+    already = heads_by_site(recipe.model.pruned_heads)
     original = []
     for entry in entries:  # indices of this (possibly already pruned) model -> original indices
         site, h = entry.rsplit(":", 1)
@@ -211,7 +212,7 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
         raise RunError(problems[0])
     model = subject.model
     pruned = copy.deepcopy(model)
-    for site, hs in pruned_cfg_sites(entries).items():
+    for site, hs in heads_by_site(entries).items():
         attention_modules(pruned)[site].prune_heads(hs, None if fill is None else fill[site])
     vocab = dict(vocab_size=model.encoder.embed.embedding.num_embeddings, pad_id=0, init=False)
     if subject.kind == "translation":
@@ -259,11 +260,3 @@ def _syntactic_note() -> str:
     return "skipped: spaCy is installed but syntactic-head scoring is not implemented yet"
 
 
-
-def pruned_cfg_sites(entries: list[str]) -> dict[str, list[int]]:
-    """"site:head" entries grouped by site."""
-    out: dict[str, list[int]] = {}
-    for entry in entries:
-        site, h = entry.rsplit(":", 1)
-        out.setdefault(site, []).append(int(h))
-    return out

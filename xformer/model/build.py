@@ -23,6 +23,7 @@ from xformer.model.transformer import (
     EncoderLayer,
     Seq2Seq,
 )
+from xformer.sites import heads_by_site
 
 
 def build_model(
@@ -92,13 +93,13 @@ def build_model(
     if init:
         init_fairseq_(model, cfg.d_model)
     sites = attention_modules(model)
-    for site, heads in cfg.pruned_by_site().items():
+    for site, heads in heads_by_site(cfg.pruned_heads).items():
         sites[site].prune_heads(heads)
     return model
 
 
 def attention_modules(model: nn.Module) -> dict[str, MultiHeadAttention]:
-    """The attention modules of a Seq2Seq or Classifier by site name (ModelConfig.attention_sites
+    """The attention modules of a Seq2Seq or Classifier by site name (sites.attention_sites
     order): encoder.<i>.self_attn, decoder.<i>.self_attn, decoder.<i>.cross_attn."""
     encoder = model.encoder
     out = {f"encoder.{i}.self_attn": layer.self_attn for i, layer in enumerate(encoder.layers)}
