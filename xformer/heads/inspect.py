@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 from xformer.checkpoint import atomic_write_text, run_checkpoint, save_checkpoint
+from xformer.data.tokenizer import PAD_ID
 from xformer.errors import RunError
 from xformer.heads import importance as imp
 from xformer.heads.stats import collect
@@ -99,14 +100,15 @@ def inspect_heads(
         "syntactic": _syntactic_note(),
     }
     if prune:
-        report["pruning"] = _pruning(subject, sites, ablation, fill, prune_order, importance, prune_split,
-                                     max_drop, emit)
+        held_out, held_out_name = _held_out(subject, prune_split)  # loaded once: curve and saved model
+        report["pruning"] = _pruning(subject, sites, ablation, fill, prune_order, importance, held_out,
+                                     held_out_name, max_drop, emit)
         if save_pruned is not None and not report["pruning"]["largest_within_max_drop"]["pruned"]:
             report["pruned_model"] = {"path": None, "reason": f"no pruning step stays within --max-drop {max_drop:g}; "
                                                               "nothing saved"}
         elif save_pruned is not None:
             report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, report["pruning"],
-                                                  Path(save_pruned), checkpoint)
+                                                  held_out, Path(save_pruned), checkpoint)
     report["seconds"] = time.perf_counter() - started
     emit("phase", {"name": "report", "total": 1})
     from xformer.heads.report import write_artifacts
@@ -117,11 +119,10 @@ def inspect_heads(
 
 
 def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, prune_order: str, importance: str,
-             prune_split: str | None, max_drop: float, emit: Event) -> dict:
+             held_out, name: str, max_drop: float, emit: Event) -> dict:
     """Curves of the held-out metric as heads go, least important first (one-shot ablation
     order, or greedy re-ranking on the analysis split): over the whole model, and within each
     space (encoder self, decoder self, cross)."""
-    held_out, name = _held_out(subject, prune_split)
     metric = "bleu" if subject.kind == "translation" else "accuracy"
     timings: list[float] = []
 
@@ -191,7 +192,7 @@ def _held_out(subject: Subject, prune_split: str | None):
 
 
 def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, fill: dict | None, pruning: dict,
-                 target: Path, checkpoint: str | None) -> dict:
+                 held_out, target: Path, checkpoint: str | None) -> dict:
     """A new run directory holding the model with the heads of the largest pruning step within
     max_drop removed: recipe.toml (model.pruned_heads), tokenizer/, checkpoints/<name>."""
     recipe = subject.recipe
@@ -214,7 +215,7 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
     pruned = copy.deepcopy(model)
     for site, hs in heads_by_site(entries).items():
         attention_modules(pruned)[site].prune_heads(hs, None if fill is None else fill[site])
-    vocab = dict(vocab_size=model.encoder.embed.embedding.num_embeddings, pad_id=0, init=False)
+    vocab = dict(vocab_size=model.encoder.embed.embedding.num_embeddings, pad_id=PAD_ID, init=False)
     if subject.kind == "translation":
         vocab["tgt_vocab_size"] = model.decoder.embed.embedding.num_embeddings
     else:
@@ -227,7 +228,6 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
     source = run_checkpoint(run_dir, name)
     save_checkpoint(target / "checkpoints" / f"{name}.safetensors", smaller, meta={"pruned_from": str(source)})
     # speed: the held-out measure with the pruned model in place of the full one
-    held_out, _ = _held_out(subject, pruning["split"])
     subject.model = smaller.to(subject.rt.device).eval()
     started = time.perf_counter()
     metric = subject.score(pruning["metric"], held_out)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from xformer.config import load_run_recipe
+from xformer.config import SYNTHETIC_TASKS, load_run_recipe
 from xformer.data.batching import collate
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from xformer.errors import RunError
@@ -43,8 +43,8 @@ def site_space(site: str) -> str:
 
 
 class Subject:
-    """Base: subclasses set model, recipe, rt, batches, vocab_tokens, frequency and implement
-    tokens(), loss_sum(), score()."""
+    """Base: subclasses pass model, recipe, runtime, batches, token texts and corpus
+    frequencies, and implement forward(), loss_sum(), site_tokens() and score()."""
 
     kind: str
     metric_names: tuple[str, ...]
@@ -218,7 +218,7 @@ def _load_subject(run_dir, split, data, n_examples, checkpoint, device) -> Subje
 
 
 def _valid_split(recipe) -> str:
-    return "valid" if recipe.data.task in ("listops", "recall") else recipe.data.valid_split
+    return "valid" if recipe.data.task in SYNTHETIC_TASKS else recipe.data.valid_split
 
 
 def _counts(ids: list[list[int]], size: int) -> np.ndarray:
