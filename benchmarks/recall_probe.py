@@ -71,6 +71,7 @@ def main() -> None:
     parser.add_argument("--queries", type=int, default=1)
     parser.add_argument("--steps", type=int, default=2000)
     parser.add_argument("--batch", type=int, default=64)
+    parser.add_argument("--tokens", type=int, default=0, help="batch size in tokens (overrides --batch per stage)")
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--warmup", type=int, default=0)
     parser.add_argument("--decay", choices=("none", "cosine", "linear"), default="none")
@@ -128,7 +129,9 @@ def main() -> None:
     train_time = 0.0
     for step in range(1, args.steps + 1):
         t0 = time.time()
-        x, y = tensors(generate_recall(args.batch, train_length(step), step + 1000 * args.seed, args.queries,
+        length = train_length(step)
+        batch = max(1, args.tokens // length) if args.tokens else args.batch
+        x, y = tensors(generate_recall(batch, length, step + 1000 * args.seed, args.queries,
                                        n_pairs=args.pairs))
         loss = F.cross_entropy(model(x), y)
         optimizer.zero_grad()

@@ -5,7 +5,15 @@ import pytest
 import torch
 
 from xformer.config import ModelConfig, recipe_from_dict
-from xformer.data.classify import ClassBatches, TextEncoder, collate_tokens, fit_vocab, generated_splits
+from xformer.data.classify import (
+    ClassBatches,
+    StagedBatches,
+    TextEncoder,
+    collate_tokens,
+    curriculum_examples,
+    fit_vocab,
+    generated_splits,
+)
 from xformer.errors import DataError, RecipeError
 from xformer.model.build import build_for_recipe, build_model, count_parameters
 from xformer.runtime import PeakMemory
@@ -65,6 +73,42 @@ def test_every_example_is_batched_once_per_epoch_within_the_budget():
     skipped = list(batches.iter_epoch(0, skip=2))
     assert len(skipped) == len(batches) - 2
     assert torch.equal(skipped[0]["tokens"], collate_tokens(examples, np.asarray(batches.batches(0)[2]))["tokens"])
+
+
+def test_a_length_curriculum_runs_its_stages_in_order_then_the_full_epochs_and_resumes_anywhere():
+    final = ClassBatches(generated_splits("recall", 40, 5, 5, 32, 0, 1, 2)["train"], 33 * 8, seed=3)
+    short = ClassBatches(curriculum_examples("recall", 30, 8, 0, 1, 2), 9 * 8, seed=3)
+    middle = ClassBatches(curriculum_examples("recall", 30, 16, 0, 1, 2), 17 * 8, seed=3)
+    staged = StagedBatches([(short, 9), (middle, 2)], final)  # 9 > one epoch of `short`: cycled
+    assert len(short) == 4 and len(staged) == 9 + 2 + len(final)
+    epoch0 = list(staged.iter_epoch(0))
+    widths = [b["tokens"].shape[1] for b in epoch0]
+    assert widths == [8] * 9 + [16] * 2 + [32] * len(final)
+    cycled = [b for e in (0, 1, 2) for b in short.iter_epoch(e)][:9]  # reshuffled per cycle
+    assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(epoch0[:9], cycled, strict=True))
+    for skip in range(len(epoch0) + 1):  # resuming at any batch gives the rest of the epoch
+        rest = list(staged.iter_epoch(0, skip=skip))
+        assert len(rest) == len(epoch0) - skip
+        assert all(torch.equal(a["tokens"], b["tokens"]) for a, b in zip(rest, epoch0[skip:], strict=True))
+    later = list(staged.iter_epoch(1, skip=1))
+    assert [b["tokens"].tolist() for b in later] == [b["tokens"].tolist() for b in final.iter_epoch(1, skip=1)]
+    # a stage's examples are its own: not a prefix of the train split, and deterministic
+    assert curriculum_examples("recall", 30, 32, 0, 1, 2).sequence(0) != final.examples.sequence(0)
+    assert curriculum_examples("recall", 30, 8, 0, 1, 2).sequence(5) == short.examples.sequence(5)
+
+
+def test_curriculum_stages_are_validated_and_skipped_at_or_above_max_len():
+    data = {"task": "recall", "n_pairs": 2, "n_queries": 1, "max_len": 64}
+    r = recipe({"arch": "classifier"}, {**data, "curriculum_lengths": [16, 64, 256], "curriculum_steps": [5, 6, 7]})
+    assert r.data.curriculum() == [(16, 5)]
+    assert any("one step count per curriculum length (2), found 1" in p for p in problems(
+        model={"arch": "classifier"}, data={**data, "curriculum_lengths": [16, 32], "curriculum_steps": [5]}))
+    assert any("expected increasing lengths, found [32, 16]" in p for p in problems(
+        model={"arch": "classifier"}, data={**data, "curriculum_lengths": [32, 16], "curriculum_steps": [5, 5]}))
+    assert any("expected positive integers" in p for p in problems(
+        model={"arch": "classifier"}, data={**data, "curriculum_lengths": [16], "curriculum_steps": [0]}))
+    assert any("data.curriculum_lengths: applies only when data.task = 'listops' or 'recall'" in p
+               for p in problems(data={"curriculum_lengths": [16], "curriculum_steps": [5]}))
 
 
 def test_generated_splits_are_deterministic_and_differ_per_split_and_seed():

@@ -68,6 +68,22 @@ def test_lstm_run_resumes_exactly(tmp_path):
             torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
 
 
+def test_a_run_cut_inside_its_length_curriculum_resumes_exactly(tmp_path):
+    curriculum = TINY + ["data.curriculum_lengths=[8, 16]", "data.curriculum_steps=[4, 3]", "train.valid_every=5"]
+    whole = run(load_recipe(RECALL, curriculum + ["train.max_steps=12"]), tmp_path / "whole", device="cpu")
+    run(load_recipe(RECALL, curriculum + ["train.max_steps=5"]), tmp_path / "split", device="cpu")
+    resumed = run(load_recipe(RECALL, curriculum + ["train.max_steps=12"]), tmp_path / "split", device="cpu",
+                  resume=True)
+    assert resumed.steps == whole.steps == 12
+    records = [json.loads(x) for x in (tmp_path / "whole" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "valid"] == [10, 12]  # none inside the curriculum
+    a, _ = read_checkpoint(tmp_path / "whole" / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(tmp_path / "split" / "checkpoints" / "last.safetensors")
+    for key in a:
+        if not key.startswith("rng."):
+            torch.testing.assert_close(a[key], b[key], rtol=0, atol=0, msg=key)
+
+
 @pytest.fixture
 def reviews(tmp_path) -> Path:
     folder = tmp_path / "reviews"

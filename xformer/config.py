@@ -184,6 +184,11 @@ class DataConfig:
     seed: int = field(default=0, metadata=only_when("task", *SYNTHETIC_TASKS))
     n_pairs: int = field(default=8, metadata=only_when("task", "recall"))  # key-value bindings to recall from
     n_queries: int = field(default=4, metadata=only_when("task", "recall"))
+    # a length curriculum (generated tasks): train curriculum_steps[i] optimizer steps on examples
+    # of length curriculum_lengths[i] first, in order, then at max_len; stages not shorter than
+    # max_len are skipped, so one recipe serves a whole length sweep
+    curriculum_lengths: list[int] = field(default_factory=list, metadata=only_when("task", *SYNTHETIC_TASKS))
+    curriculum_steps: list[int] = field(default_factory=list, metadata=only_when("task", *SYNTHETIC_TASKS))
     tokenizer: Tokenization = field(default="unigram", metadata=only_when("task", *CORPUS_TASKS))
     vocab_size: int = field(default=8000, metadata=only_when("task", *CORPUS_TASKS))
     joint_vocab: bool = field(default=True, metadata=only_when("task", "translation"))
@@ -207,6 +212,7 @@ class DataConfig:
             )
         if self.task == "translation" and self.tokenizer not in ("unigram", "bpe"):
             out.append(f"data.tokenizer: translation uses sentencepiece 'unigram' or 'bpe', found {self.tokenizer!r}")
+        out += self._curriculum_problems()
         if self.task == "listops" and self.max_len < 8:
             out.append(f"data.max_len: ListOps needs lengths strictly between max_len // 4 and max_len; "
                        f"expected at least 8, found {self.max_len}")
@@ -217,6 +223,22 @@ class DataConfig:
             out.append(f"data.max_len: recall needs {self.n_pairs} pairs and {self.n_queries} queries; "
                        f"expected at least {2 * self.n_pairs + self.n_queries}, found {self.max_len}")
         return out
+
+    def _curriculum_problems(self) -> list[str]:
+        lengths, steps = self.curriculum_lengths, self.curriculum_steps
+        if len(lengths) != len(steps):
+            return [f"data.curriculum_steps: expected one step count per curriculum length ({len(lengths)}), "
+                    f"found {len(steps)}"]
+        if any(n <= 0 for n in lengths + steps):
+            return [f"data.curriculum_lengths / curriculum_steps: expected positive integers, "
+                    f"found {lengths} / {steps}"]
+        if any(a >= b for a, b in zip(lengths, lengths[1:], strict=False)):
+            return [f"data.curriculum_lengths: expected increasing lengths, found {lengths}"]
+        return []
+
+    def curriculum(self) -> list[tuple[int, int]]:
+        """The (length, optimizer steps) stages that apply at this max_len."""
+        return [(n, k) for n, k in zip(self.curriculum_lengths, self.curriculum_steps, strict=True) if n < self.max_len]
 
     @property
     def is_classification(self) -> bool:

@@ -10,6 +10,7 @@ validates:
     loss = job.loss(model, batch, rt)  # summed over the batch: divided by job.units(batch)
     job.tokens(batch)                  # tokens it trained on, for tokens/s
     scores = job.validate(model, rt)                   # {"loss": ..., and "bleu" or "accuracy"}
+    job.curriculum_steps             # steps of shorter examples first: not validated (0: none)
 
 TranslationJob: sentencepiece pairs, label-smoothed token NLL averaged per target token,
 validation loss and greedy BLEU. ClassificationJob: generated tasks or a text+label corpus,
@@ -32,7 +33,9 @@ from xformer.data.batching import BatchIterator
 from xformer.data.classify import (
     ClassBatches,
     Examples,
+    StagedBatches,
     TextEncoder,
+    curriculum_examples,
     fit_vocab,
     generated_splits,
     task_encoder,
@@ -65,6 +68,8 @@ def load_training_splits(recipe: Recipe, fields: list[str], emit: Event):
 
 
 class TranslationJob:
+    curriculum_steps = 0
+
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
 
@@ -115,6 +120,8 @@ class TranslationJob:
 
 
 class ClassificationJob:
+    curriculum_steps = 0
+
     def __init__(self, recipe: Recipe):
         self.recipe = recipe
 
@@ -145,6 +152,14 @@ class ClassificationJob:
             self.encoder.save(directory, {"labels": self.labels, "settings": encoder_settings(self.recipe)})
         seed = self.recipe.train.seed
         self.train_batches = ClassBatches(train, d.max_tokens, seed=seed)
+        if d.task in SYNTHETIC_TASKS and d.curriculum():
+            accumulate = self.recipe.train.accumulate_steps
+            stages = [(ClassBatches(curriculum_examples(d.task, d.n_train, length, d.seed, d.n_queries, d.n_pairs),
+                                    d.max_tokens, seed=seed), steps * accumulate) for length, steps in d.curriculum()]
+            emit("setup", {"message": "length curriculum: " + ", ".join(f"{k} steps at {n}" for n, k in d.curriculum())
+                           + f", then {d.max_len}"})
+            self.train_batches = StagedBatches(stages, self.train_batches)
+            self.curriculum_steps = sum(k for _, k in d.curriculum())
         self.valid = valid
 
     def build_model(self):

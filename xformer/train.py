@@ -237,8 +237,11 @@ def run(
                     break
                 stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))
                 if progress.step % cfg.valid_every == 0 or stop_reason:
-                    _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed)
-                    stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))  # patience, time
+                    # a length curriculum's steps are checkpointed but not validated: scores at
+                    # max_len say nothing about a model still training on shorter examples
+                    if progress.step >= job.curriculum_steps or stop_reason:
+                        _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed)
+                        stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))  # patience, time
                     checkpoint(stop_reason)
                     log_time = time.perf_counter()
                     model.train()

@@ -106,6 +106,41 @@ class ClassBatches:
         return self._len
 
 
+class StagedBatches:
+    """A length curriculum in front of the training batches (sequence-length warmup, Li et al.
+    2022, arXiv:2108.06084): the first epoch opens with each stage in turn, `n` batches of that
+    stage's own shorter examples (its epochs cycled, each reshuffled), then runs `final`'s first
+    epoch; later epochs are `final`'s alone. Same resume contract as ClassBatches: iter_epoch
+    (epoch, skip) skips the first `skip` batches of the epoch, stages included."""
+
+    def __init__(self, stages: Sequence[tuple[ClassBatches, int]], final: ClassBatches):
+        self.stages, self.final = list(stages), final
+
+    def iter_epoch(self, epoch: int, skip: int = 0) -> Iterator[dict]:
+        if epoch == 0:
+            for stage, n in self.stages:
+                if skip >= n:
+                    skip -= n
+                    continue
+                yield from _cycled(stage, n, skip)
+                skip = 0
+        yield from self.final.iter_epoch(epoch, skip)
+
+    def __len__(self) -> int:
+        """Batches of epoch 0 (the curriculum's and the first full epoch's); later epochs have len(final)."""
+        return sum(n for _, n in self.stages) + len(self.final)
+
+
+def _cycled(batches: ClassBatches, n: int, skip: int) -> Iterator[dict]:
+    """Batches skip..n-1 of `batches` read epoch after epoch."""
+    per_epoch = len(batches)
+    for index in range(skip, n):
+        epoch, within = divmod(index, per_epoch)
+        if index == skip or within == 0:
+            rows = batches.batches(epoch)
+        yield collate_tokens(batches.examples, np.asarray(rows[within]))
+
+
 # ---------------------------------------------------------------- encoders
 
 
@@ -192,6 +227,18 @@ def generated_splits(task: str, n_train: int, n_valid: int, n_test: int, max_len
                 for split, n in sizes.items()}
     except ValueError as exc:  # a length the task cannot be generated at
         raise DataError(f"data.max_len = {max_len}: {exc}") from None
+
+
+def curriculum_examples(task: str, n: int, length: int, seed: int, n_queries: int, n_pairs: int) -> Examples:
+    """A curriculum stage's training examples: the task generated at a shorter `length`, from a
+    stream of its own (seeded by data.seed and the length, so no stage repeats the train split)."""
+    generate = TASKS[task][1]
+    extra = {"n_queries": n_queries, "n_pairs": n_pairs} if task == "recall" else {}
+    stage_seed = int(np.random.SeedSequence([seed, 0, length]).generate_state(1)[0])
+    try:
+        return Examples.from_pairs(generate(n, length, stage_seed, **extra))
+    except ValueError as exc:
+        raise DataError(f"data.curriculum_lengths: {length}: {exc}") from None
 
 
 def task_encoder(task: str) -> tuple[TextEncoder, int]:
