@@ -2,6 +2,7 @@
 ablation and gate gradients mean what they say, physical pruning equals masking, and the CLI
 writes every artifact for a translation and a classification run."""
 
+import base64
 import dataclasses
 import json
 from pathlib import Path
@@ -210,7 +211,10 @@ def test_cli_inspects_a_classifier_and_writes_every_artifact(tmp_path):
     assert len(report["heads"]) == 2 * 2 and report["n_examples"] == 30
     assert {"heads.json", "heads_grid.png", "report.html", "attention_example0.png"} <= {p.name for p in out.iterdir()}
     html = (out / "report.html").read_text()
-    assert "data:image/png;base64," in html and "http" not in html.replace("http-equiv", "")  # offline
+    assert "http" not in html.replace("http-equiv", "")  # offline
+    pngs = sorted(p for p in out.iterdir() if p.suffix == ".png")
+    assert html.count("data:image/png;base64,") == len(pngs) >= 2  # every figure embedded, once
+    assert all(base64.b64encode(p.read_bytes()).decode("ascii") in html for p in pngs)
     assert json.loads((out / "heads.json").read_text())["rank_correlation"].keys() == report["rank_correlation"].keys()
     bad = invoke("inspect-heads", run, "--importance", "bleu")
     assert bad.exit_code == 2 and "accuracy" in bad.output
