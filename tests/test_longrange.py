@@ -11,6 +11,7 @@ from typer.testing import CliRunner
 
 from xformer.checkpoint import read_checkpoint
 from xformer.config import load_recipe
+from xformer.longrange import throughput_at_length
 from xformer.train import run
 from xformer_cli.main import app
 
@@ -153,6 +154,22 @@ def test_a_missing_label_field_is_one_line(tmp_path, reviews):
     last = result.output.strip().splitlines()[-1]  # after the setup messages
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert last.endswith("train.jsonl: no field 'stars' (found: review, sentiment)")
+
+
+def test_throughput_at_a_length_leaves_out_the_curriculum_steps(tmp_path):
+    recipe = load_recipe(RECALL, ["data.max_len=64", "train.log_every=10",
+                                  "data.curriculum_lengths=[16, 32, 64]", "data.curriculum_steps=[20, 10, 5]"])
+    rates = {10: 900.0, 20: 800.0, 30: 700.0, 40: 600.0, 50: 100.0, 60: 300.0}  # stages: 30 steps (64 skipped)
+    lines = [{"kind": "train", "step": k, "tokens_per_s": v} for k, v in rates.items()]
+    lines.append({"kind": "valid", "step": 60})
+    (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(x) for x in lines) + "\n")
+    trained = {"tokens": 5000, "loop_seconds": 10.0}
+    # from step 41 on (the interval ending at 40 straddles the switch): tokens over time
+    assert throughput_at_length(tmp_path, recipe, trained) == pytest.approx(2 / (1 / 100 + 1 / 300))
+    plain = load_recipe(RECALL, ["data.max_len=64", "data.curriculum_lengths=[]", "data.curriculum_steps=[]"])
+    assert throughput_at_length(tmp_path, plain, trained) == pytest.approx(6 / sum(1 / v for v in rates.values()))
+    (tmp_path / "metrics.jsonl").write_text(json.dumps(lines[0]) + "\n")  # nothing logged after the curriculum
+    assert throughput_at_length(tmp_path, recipe, trained) == 500.0
 
 
 def write_sweep(tmp_path, lengths, seeds, steps) -> Path:

@@ -225,7 +225,7 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
             "test_accuracy": test["accuracy"], "valid_accuracy": best.get("accuracy"),
             "best_step": best.get("step"), "steps": trained["steps"], "epochs": trained["epochs"],
             "train_seconds": trained["train_seconds"],
-            "tokens_per_s": trained["tokens"] / max(trained["loop_seconds"], 1e-9),
+            "tokens_per_s": throughput_at_length(run_dir, row_recipe(sweep, model, length, seed), trained),
             "peak_memory_mb": trained["peak_memory_mb"], "device": trained["device"],
             "precision": trained["precision"], "run_dir": str(run_dir),
         }
@@ -235,6 +235,20 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
                                    for n, m, s in plan])
     write_comparison(comparison, out_dir)
     return comparison
+
+
+def throughput_at_length(run_dir: Path, recipe: Recipe, trained: dict) -> float:
+    """Training tokens/s at the row's own length: the logged intervals after any length
+    curriculum (whose short steps are faster), combined as tokens over time (the harmonic
+    mean of equal-token intervals); the whole run's figure when none were logged after it."""
+    first = sum(k for _, k in recipe.data.curriculum())
+    if first:
+        first += recipe.train.log_every  # skip the interval that straddles the switch
+    rates = [r["tokens_per_s"] for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train" and r["step"] > first and r["tokens_per_s"] > 0]
+    if not rates:
+        return trained["tokens"] / max(trained["loop_seconds"], 1e-9)
+    return len(rates) / sum(1.0 / r for r in rates)
 
 
 def _run_state(run_dir: Path) -> str:
