@@ -1,5 +1,7 @@
 """Classification data, encoders, config rules and the pieces the long-range runs are built from."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -145,6 +147,31 @@ def test_last_pooling_reads_the_last_real_token_and_ignores_padding():
     torch.testing.assert_close(batched[:1], alone)
     h = model.encoder(tokens, tokens.eq(0))
     torch.testing.assert_close(batched, model.head(h[torch.arange(2), torch.tensor([2, 4])]))
+
+
+@pytest.mark.parametrize("norm_position", ["pre", "post"])
+@pytest.mark.parametrize("pooling", ["last", "cls"])
+def test_the_last_layer_computing_only_the_pooled_position_equals_the_full_layer(norm_position, pooling):
+    cfg = ModelConfig(arch="classifier", d_model=16, n_heads=4, n_kv_heads=2, d_ff=32, n_encoder_layers=2,
+                      dropout=0.0, pooling=pooling, norm_position=norm_position, max_positions=32)
+    torch.manual_seed(0)
+    model = build_model(cfg, 12, n_classes=3).double().eval()
+    tokens = torch.tensor([[4, 5, 6, 0, 0], [7, 8, 9, 10, 11], [3, 0, 0, 0, 0]])
+    pad = tokens.eq(0)
+    assert model._last_row_only()
+    shortcut = model(tokens)
+    if pooling == "cls":
+        full = model.encoder(tokens, torch.cat([pad.new_zeros(3, 1), pad], 1), prefix=model.cls.double())[:, 0]
+    else:
+        full = model.encoder(tokens, pad)[torch.arange(3), torch.tensor([2, 4, 0])]
+    torch.testing.assert_close(shortcut, model.head(full), rtol=1e-12, atol=1e-12)
+    seen = []  # while maps are captured, the last layer runs in full and hands over S x S maps
+    model.encoder.layers[-1].self_attn.on_probs = lambda probs: seen.append(probs.shape)
+    assert not model._last_row_only()
+    torch.testing.assert_close(model(tokens), shortcut, rtol=1e-12, atol=1e-12)
+    assert seen == [(3, 4, 5 + (pooling == "cls"), 5 + (pooling == "cls"))]
+    rope = build_model(dataclasses.replace(cfg, positional="rope"), 12, n_classes=3)
+    assert not rope._last_row_only()  # rotary queries rotate by position: the full layer
 
 
 def test_an_lstm_recipe_is_sized_to_its_transformer_within_10_percent():

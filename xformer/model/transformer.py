@@ -41,14 +41,27 @@ class EncoderLayer(nn.Module):
         self.ffn_norm = NORMS[norm](d_model, norm_eps)
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, mask: Tensor | None) -> Tensor:  # x: (B, S, D)
+    def forward(self, x: Tensor, mask: Tensor | None, rows: Tensor | None = None) -> Tensor:  # x: (B, S, D)
+        """(B, S, D); with `rows` (B,) only those positions' outputs, (B, 1, D): the queries are
+        the rows, keys and values every position (what a classifier pooling one position needs
+        from its last layer). Not with rotary positions (their queries rotate by position)."""
         if self.norm_position == "pre":
-            x = x + self.drop(self.self_attn(self.self_attn_norm(x), mask=mask)[0])
+            h = self.self_attn_norm(x)
+            if rows is not None:
+                x, h, memory = _rows(x, rows), _rows(h, rows), h
+            x = x + self.drop(self.self_attn(h, memory=None if rows is None else memory, mask=mask)[0])
             x = x + self.drop(self.ffn(self.ffn_norm(x)))
         else:  # post-LN, Vaswani et al. 2017
-            x = self.self_attn_norm(x + self.drop(self.self_attn(x, mask=mask)[0]))
+            queries = x if rows is None else _rows(x, rows)
+            attended = self.self_attn(queries, memory=None if rows is None else x, mask=mask)[0]
+            x = self.self_attn_norm(queries + self.drop(attended))
             x = self.ffn_norm(x + self.drop(self.ffn(x)))
         return x
+
+
+def _rows(x: Tensor, rows: Tensor) -> Tensor:
+    """x[b, rows[b]] for every b: (B, S, D) -> (B, 1, D)."""
+    return x[torch.arange(x.size(0), device=x.device), rows].unsqueeze(1)
 
 
 class DecoderLayer(nn.Module):
@@ -129,14 +142,16 @@ class Encoder(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm if final_norm is not None else nn.Identity()
 
-    def forward(self, tokens: Tensor, pad: Tensor, prefix: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, pad: Tensor, prefix: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
         """tokens, pad: (B, S) -> (B, S, D) (or (B, P + S, D) with a prefix; `pad` then
-        covers the prefix too)."""
+        covers the prefix too). With `rows` (B,): the last layer computes only position
+        rows[b] of each sequence, -> (B, D)."""
         x = self.embed(tokens, prefix=prefix)
         mask = padding_mask(pad)  # (B, 1, 1, S), computed once for every layer
-        for layer in self.layers:
-            x = layer(x, mask)
-        return self.final_norm(x)
+        for i, layer in enumerate(self.layers):
+            x = layer(x, mask, rows if i == len(self.layers) - 1 else None)
+        x = self.final_norm(x)
+        return x if rows is None else x[:, 0]
 
 
 class DecoderCache:
@@ -245,16 +260,29 @@ class Classifier(nn.Module):
         self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(d_model, n_classes)
 
+    def _last_row_only(self) -> bool:
+        """Whether the last layer may compute the pooled position (cls or last) alone (the same result,
+        ~S times less work in that layer): not when its queries rotate by position (RoPE),
+        nor while its attention maps are being captured (they must be S x S)."""
+        attention = self.encoder.layers[-1].self_attn if len(self.encoder.layers) else None
+        return attention is not None and attention.rotary is None and attention.on_probs is None
+
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens: (B, S) -> logits (B, C)."""
         pad = tokens.eq(self.pad_id)
         if self.pooling == "cls":
             pad = torch.cat([pad.new_zeros(pad.size(0), 1), pad], dim=1)
-            pooled = self.encoder(tokens, pad, prefix=self.cls)[:, 0]  # (B, D)
+            if self._last_row_only():
+                pooled = self.encoder(tokens, pad, prefix=self.cls, rows=pad.new_zeros(pad.size(0), dtype=torch.long))
+            else:
+                pooled = self.encoder(tokens, pad, prefix=self.cls)[:, 0]  # (B, D)
         elif self.pooling == "last":  # the final state of the last real token (right padding)
-            h = self.encoder(tokens, pad)  # (B, S, D)
             last = (~pad).sum(1).clamp(min=1) - 1  # (B,)
-            pooled = h[torch.arange(h.size(0), device=h.device), last]
+            if self._last_row_only():
+                pooled = self.encoder(tokens, pad, rows=last)  # (B, D)
+            else:
+                h = self.encoder(tokens, pad)  # (B, S, D)
+                pooled = h[torch.arange(h.size(0), device=h.device), last]
         else:  # mean over real positions
             h = self.encoder(tokens, pad)  # (B, S, D)
             keep = (~pad).unsqueeze(-1).to(h.dtype)
