@@ -21,12 +21,12 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from xformer.config import load_recipe
 from xformer.data.batching import BatchIterator
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import PAD_ID
 from xformer.evaluate import build_translation_model
 from xformer.optim import sequence_loss
+from xformer.recipe_io import load_recipe
 from xformer.tokenize import ensure_tokenizer
 from xformer.train import run
 

@@ -28,9 +28,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from xformer.config import ModelConfig, parse_override
+from xformer.config import ModelConfig
 from xformer.data.tasks import generate_recall, recall_spec
 from xformer.model.build import build_model
+from xformer.recipe_io import parse_override
 
 
 def tensors(data):

@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from xformer.config import load_recipe
 from xformer.errors import DataError
+from xformer.recipe_io import load_recipe
 from xformer.tokenize import apply_tokenizer, tokenize_recipe
 from xformer_cli.common import SET_HELP, user_errors
 from xformer_cli.display import score_table

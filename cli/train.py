@@ -8,8 +8,8 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from xformer.config import load_recipe
 from xformer.errors import RunError
+from xformer.recipe_io import load_recipe
 from xformer.train import run
 from xformer_cli.common import SET_HELP, user_errors
 from xformer_cli.display import TrainDisplay, score_table

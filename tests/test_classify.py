@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from xformer.config import ModelConfig, recipe_from_dict
+from xformer.config import ModelConfig
 from xformer.data.classify import (
     ClassBatches,
     StagedBatches,
@@ -18,6 +18,7 @@ from xformer.data.classify import (
 )
 from xformer.errors import DataError, RecipeError
 from xformer.model.build import build_for_recipe, build_model, count_parameters
+from xformer.recipe_io import recipe_from_dict
 from xformer.runtime import PeakMemory
 
 BASE = {"train": {"max_steps": 5}}

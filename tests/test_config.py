@@ -1,7 +1,8 @@
 import pytest
 
-from xformer.config import ModelConfig, Recipe, load_recipe, parse_override, recipe_from_dict
+from xformer.config import ModelConfig, Recipe
 from xformer.errors import RecipeError
+from xformer.recipe_io import load_recipe, parse_override, recipe_from_dict
 
 VALID = {"train": {"max_steps": 10}}
 

@@ -12,12 +12,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from xformer.config import ModelConfig, load_recipe
+from xformer.config import ModelConfig
 from xformer.data.classify import Examples, TextEncoder
 from xformer.heads import importance as imp
 from xformer.heads.stats import clusters, collect
 from xformer.heads.subject import ClassificationSubject
 from xformer.model.build import attention_modules, build_model
+from xformer.recipe_io import load_recipe
 from xformer.runtime import resolve_runtime
 from xformer.sites import heads_by_site
 from xformer_cli.main import app

@@ -10,8 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from xformer.checkpoint import read_checkpoint
-from xformer.config import load_recipe
 from xformer.longrange import throughput_at_length
+from xformer.recipe_io import load_recipe
 from xformer.train import run
 from xformer_cli.main import app
 

@@ -2,7 +2,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xformer.config import tomllib
+from xformer.recipe_io import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

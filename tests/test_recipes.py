@@ -5,9 +5,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from xformer.config import load_recipe
 from xformer.longrange import MODELS, load_sweep, row_recipe
 from xformer.model.build import build_for_recipe
+from xformer.recipe_io import load_recipe
 
 FILES = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.toml"))
 SWEEPS = [p for p in FILES if p.read_text().count("[sweep]")]

@@ -9,9 +9,9 @@ import torch
 from typer.testing import CliRunner
 
 from xformer.checkpoint import read_checkpoint
-from xformer.config import load_recipe
 from xformer.errors import RunError
 from xformer.evaluate import evaluate_run
+from xformer.recipe_io import load_recipe
 from xformer.train import run
 from xformer_cli.main import app
 

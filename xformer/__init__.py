@@ -4,9 +4,10 @@ The core library; the `xformer` command in `xformer_cli` is a thin shell over it
 package never imports typer or rich, so it can be used from any program or notebook.
 """
 
-from xformer.config import Recipe, load_recipe
+from xformer.config import Recipe
 from xformer.errors import RecipeError, XformerError
 from xformer.model import build_for_recipe, build_model, count_parameters
+from xformer.recipe_io import load_recipe
 
 __version__ = "0.1.0"
 

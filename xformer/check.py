@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
-from xformer.config import load_recipe
 from xformer.model.build import build_for_recipe, count_parameters
+from xformer.recipe_io import load_recipe
 
 
 def check_recipe(path: str | Path, overrides: list[str] | None = None) -> dict:

@@ -16,11 +16,12 @@ import torch
 import torch.nn.functional as F
 
 from xformer.checkpoint import atomic_write_text, load_model_weights, read_checkpoint, run_checkpoint
-from xformer.config import SYNTHETIC_TASKS, Recipe, load_run_recipe
+from xformer.config import SYNTHETIC_TASKS, Recipe
 from xformer.data.classify import ClassBatches, Examples, TextEncoder, collate_tokens, generated_splits
 from xformer.data.corpus import load_split
 from xformer.errors import RunError
 from xformer.model.build import build_model
+from xformer.recipe_io import load_run_recipe
 from xformer.runtime import resolve_runtime
 from xformer.tokenize import tokenizer_dir
 

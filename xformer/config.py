@@ -9,9 +9,7 @@ collected and reported together in one `RecipeError`.
 Derived values (`head_dim`, `kv_heads`) are properties, so they are never written into a
 saved recipe and a saved recipe reloads to an equal `Recipe`.
 
-Overrides `--set section.key=value` are parsed as TOML values (`--set train.lr=3e-4`,
-`--set model.positional=learned` where a bare word is taken as a string), merged into the
-raw tables before validation, and so go through exactly the same checks.
+Reading a recipe file and its `--set` overrides into a Recipe is xformer/recipe_io.py.
 """
 
 from __future__ import annotations
@@ -22,24 +20,20 @@ from pathlib import Path
 from typing import Any, ClassVar, Literal
 
 from xformer.data.tasks import RECALL_N_KEYS
-from xformer.errors import RecipeError, RunError
 from xformer.sites import pruned_heads_problems
 from xformer.strict import (
-    describe,
-    did_you_mean,
     non_negative,
     only_when,
     positive,
     probability,
-    section_from_dict,
     section_to_dict,
     toml_value,
 )
 
 if sys.version_info >= (3, 11):
-    import tomllib
+    pass
 else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
+    pass
 
 # One Literal per variant axis; each has a dict of implementations next to its modules
 # (POSITIONAL in model/positional.py, NORMS in model/norms.py, ...), and a test checks
@@ -377,92 +371,3 @@ class Recipe:
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_toml(), encoding="utf-8")
-
-
-def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """Read a TOML recipe, apply `--set` overrides, validate; raise RecipeError listing
-    every problem found."""
-    path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: no such recipe file") from None
-    except (OSError, UnicodeDecodeError) as exc:
-        raise RecipeError(f"{path}: cannot read the recipe ({exc})") from None
-    try:
-        raw = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise RecipeError(f"{path}: not valid TOML: {exc}") from None
-    return recipe_from_dict(raw, overrides or [], source=str(path))
-
-
-def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe") -> Recipe:
-    """Validate plain tables (as tomllib returns them) plus overrides into a Recipe."""
-    problems: list[str] = []
-    raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
-    overridden = _apply_overrides(raw, overrides, problems)
-    sections: dict[str, Any] = {}
-    for name, value in raw.items():
-        if name not in SECTIONS:
-            problems.append(f"{name}: unknown table{did_you_mean(name, SECTIONS)}")
-        elif not isinstance(value, dict):
-            problems.append(f"{name}: expected a table [{name}], found {describe(value)}")
-    typed = True
-    for name, cls in SECTIONS.items():
-        table = raw.get(name, {})
-        sections[name], values_ok = section_from_dict(
-            cls, name, table if isinstance(table, dict) else {}, problems
-        )
-        if values_ok:  # range and cross-field rules only make sense once every value has its type
-            problems += sections[name].problems()
-        typed = typed and values_ok
-    recipe = Recipe(**sections)
-    if typed:
-        problems += recipe.cross_section_problems()
-    if problems:
-        raise RecipeError([_locate(p, source, overridden) for p in problems])
-    return recipe
-
-
-def parse_override(item: str) -> tuple[str, str, Any]:
-    """'train.lr=3e-4' -> ('train', 'lr', 0.0003). The value is parsed as TOML; a value that
-    is not TOML (a bare word like `learned`) is taken as a string."""
-    key, sep, text = item.partition("=")
-    section, dot, name = key.strip().partition(".")
-    if not sep or not dot or not section or not name or "." in name:
-        raise RecipeError(f"--set {item}: expected section.key=value, e.g. train.lr=3e-4")
-    try:
-        value = tomllib.loads(f"v = {text.strip()}")["v"]
-    except tomllib.TOMLDecodeError:
-        value = text.strip()
-    return section, name, value
-
-
-def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> set[str]:
-    touched = set()
-    for item in overrides:
-        try:
-            section, name, value = parse_override(item)
-        except RecipeError as exc:
-            problems += exc.problems
-            continue
-        table = raw.setdefault(section, {})
-        if isinstance(table, dict):
-            table[name] = value
-            touched.add(f"{section}.{name}")
-    return touched
-
-
-def _locate(problem: str, source: str, overridden: set[str]) -> str:
-    if problem.startswith("--set"):
-        return problem
-    key = problem.split(":", 1)[0]
-    return f"--set {problem}" if key in overridden else f"{source}: {problem}"
-
-
-def load_run_recipe(run_dir: str | Path, overrides: list[str] | None = None) -> Recipe:
-    """The resolved recipe a run was trained with (RUN/recipe.toml)."""
-    path = Path(run_dir) / "recipe.toml"
-    if not path.is_file():
-        raise RunError(f"{run_dir}: not a run directory (no recipe.toml)")
-    return load_recipe(path, overrides)

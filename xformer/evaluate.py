@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from xformer.checkpoint import atomic_write_text, load_model_weights, read_checkpoint, run_checkpoint
-from xformer.config import Recipe, load_run_recipe
+from xformer.config import Recipe
 from xformer.data.batching import collate_source
 from xformer.data.corpus import load_split
 from xformer.data.tokenizer import PAD_ID, Tokenizer
@@ -26,6 +26,7 @@ from xformer.metrics import translation_scores
 from xformer.model.build import build_model
 from xformer.model.transformer import Seq2Seq
 from xformer.optim import sequence_loss
+from xformer.recipe_io import load_run_recipe
 from xformer.runtime import Runtime, resolve_runtime
 
 

@@ -35,11 +35,12 @@ from pathlib import Path
 import torch
 
 from xformer.checkpoint import atomic_write_text, read_checkpoint_meta
-from xformer.config import SYNTHETIC_TASKS, Recipe, load_recipe
+from xformer.config import SYNTHETIC_TASKS, Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.evaluate import evaluate_run
 from xformer.model.build import build_for_recipe, count_parameters
 from xformer.model.lstm import match_hidden
+from xformer.recipe_io import load_recipe
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.train import run
 
@@ -170,7 +171,7 @@ def row_recipe(sweep: Sweep, model: str, length: int, seed: int) -> Recipe:
 
 
 def _with(recipe: Recipe, sets: list[str]) -> Recipe:
-    from xformer.config import recipe_from_dict
+    from xformer.recipe_io import recipe_from_dict
 
     return recipe_from_dict(recipe.to_dict(), sets, source="sweep")
 

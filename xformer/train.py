@@ -38,10 +38,11 @@ from xformer.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
-from xformer.config import Recipe, load_recipe
+from xformer.config import Recipe
 from xformer.errors import RunError
 from xformer.jobs import make_job
 from xformer.optim import build_optimizer, learning_rate
+from xformer.recipe_io import load_recipe
 from xformer.runtime import PeakMemory, Runtime, resolve_runtime
 
 Event = Callable[[str, dict], None]

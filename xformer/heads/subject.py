@@ -17,11 +17,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from xformer.config import SYNTHETIC_TASKS, load_run_recipe
+from xformer.config import SYNTHETIC_TASKS
 from xformer.data.batching import collate
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID
 from xformer.errors import RunError
 from xformer.optim import sequence_loss
+from xformer.recipe_io import load_run_recipe
 
 SPACES = ("encoder", "decoder", "cross")  # query x key spaces: src x src, tgt x tgt, tgt x src
 
