@@ -152,14 +152,15 @@ class ClassificationJob:
             self.encoder.save(directory, {"labels": self.labels, "settings": encoder_settings(self.recipe)})
         seed = self.recipe.train.seed
         self.train_batches = ClassBatches(train, d.max_tokens, seed=seed)
-        if d.task in SYNTHETIC_TASKS and d.curriculum():
+        curriculum = d.curriculum()  # only generated tasks may have one (config rule)
+        if curriculum:
             accumulate = self.recipe.train.accumulate_steps
             stages = [(ClassBatches(curriculum_examples(d.task, d.n_train, length, d.seed, d.n_queries, d.n_pairs),
-                                    d.max_tokens, seed=seed), steps * accumulate) for length, steps in d.curriculum()]
-            emit("setup", {"message": "length curriculum: " + ", ".join(f"{k} steps at {n}" for n, k in d.curriculum())
+                                    d.max_tokens, seed=seed), steps * accumulate) for length, steps in curriculum]
+            emit("setup", {"message": "length curriculum: " + ", ".join(f"{k} steps at {n}" for n, k in curriculum)
                            + f", then {d.max_len}"})
             self.train_batches = StagedBatches(stages, self.train_batches)
-            self.curriculum_steps = sum(k for _, k in d.curriculum())
+            self.curriculum_steps = sum(k for _, k in curriculum)
         self.valid = valid
 
     def build_model(self):

@@ -219,26 +219,25 @@ def generated_splits(task: str, n_train: int, n_valid: int, n_test: int, max_len
                      n_queries: int, n_pairs: int) -> dict[str, Examples]:
     """Train / valid / test Examples of a generated task, each split from its own seed derived
     from data.seed (cached: a sweep's runs at one length share them)."""
-    generate = TASKS[task][1]
-    extra = {"n_queries": n_queries, "n_pairs": n_pairs} if task == "recall" else {}
     sizes = {"train": n_train, "valid": n_valid, "test": n_test}
-    try:
-        return {split: Examples.from_pairs(generate(n, max_len, split_seed(seed, split), **extra))
-                for split, n in sizes.items()}
-    except ValueError as exc:  # a length the task cannot be generated at
-        raise DataError(f"data.max_len = {max_len}: {exc}") from None
+    return {split: _generate(task, n, max_len, split_seed(seed, split), n_queries, n_pairs, "data.max_len = ")
+            for split, n in sizes.items()}
 
 
 def curriculum_examples(task: str, n: int, length: int, seed: int, n_queries: int, n_pairs: int) -> Examples:
     """A curriculum stage's training examples: the task generated at a shorter `length`, from a
     stream of its own (seeded by data.seed and the length, so no stage repeats the train split)."""
-    generate = TASKS[task][1]
-    extra = {"n_queries": n_queries, "n_pairs": n_pairs} if task == "recall" else {}
     stage_seed = int(np.random.SeedSequence([seed, 0, length]).generate_state(1)[0])
+    return _generate(task, n, length, stage_seed, n_queries, n_pairs, "data.curriculum_lengths: ")
+
+
+def _generate(task: str, n: int, length: int, seed: int, n_queries: int, n_pairs: int, where: str) -> Examples:
+    """n examples of a generated task; a length it cannot be generated at is a DataError naming `where`."""
+    extra = {"n_queries": n_queries, "n_pairs": n_pairs} if task == "recall" else {}
     try:
-        return Examples.from_pairs(generate(n, length, stage_seed, **extra))
+        return Examples.from_pairs(TASKS[task][1](n, length, seed, **extra))
     except ValueError as exc:
-        raise DataError(f"data.curriculum_lengths: {length}: {exc}") from None
+        raise DataError(f"{where}{length}: {exc}") from None
 
 
 def task_encoder(task: str) -> tuple[TextEncoder, int]:
