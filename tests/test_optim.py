@@ -33,14 +33,22 @@ def test_loss_of_bf16_logits_is_computed_in_fp32():
     assert logits.grad.dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("schedule", ["inverse_sqrt", "cosine", "constant"])
+@pytest.mark.parametrize("schedule", ["inverse_sqrt", "cosine", "linear", "constant"])
 def test_schedules_warm_up_linearly_then_follow_their_formula(schedule):
     cfg = TrainConfig(lr=1e-3, warmup_steps=100, schedule=schedule, max_steps=1100)
     assert learning_rate(50, cfg) == pytest.approx(5e-4)
     assert learning_rate(100, cfg) == pytest.approx(1e-3)
     expected = {"inverse_sqrt": 1e-3 * math.sqrt(100 / 400),
                 "cosine": 1e-3 * 0.5 * (1 + math.cos(math.pi * 300 / 1001)),
+                "linear": 1e-3 * (1 - 300 / 1001),
                 "constant": 1e-3}[schedule]
     assert learning_rate(400, cfg) == pytest.approx(expected)
-    if schedule == "cosine":  # the last step still learns a little; the curve ends one step later
-        assert 0 < learning_rate(1100, cfg) < 1e-8
+    if schedule in ("cosine", "linear"):  # the last step still learns a little; the curve ends one step later
+        assert 0 < learning_rate(1100, cfg) < (1e-8 if schedule == "cosine" else 1.1e-6)
+
+
+@pytest.mark.parametrize("schedule", ["cosine", "linear"])
+def test_decaying_schedules_need_a_step_horizon(schedule):
+    assert TrainConfig(schedule=schedule, max_time=5.0).problems() == [
+        f"train.schedule: '{schedule}' decays to 0 at train.max_steps, which must be positive, found 0"]
+    assert TrainConfig(schedule=schedule, max_steps=100).problems() == []

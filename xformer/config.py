@@ -51,7 +51,7 @@ Task = Literal["translation", "listops", "recall", "classification"]
 # sentencepiece models (translation, classification) or fixed schemes (classification only)
 Tokenization = Literal["unigram", "bpe", "char", "byte", "whitespace"]
 Optimizer = Literal["adam", "adamw"]
-Schedule = Literal["inverse_sqrt", "cosine", "constant"]
+Schedule = Literal["inverse_sqrt", "cosine", "linear", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 CheckpointChoice = Literal["best", "last", "averaged"]
 BestMetric = Literal["auto", "bleu", "accuracy", "loss"]
@@ -282,8 +282,9 @@ class TrainConfig:
                 "train.max_steps: expected at least one of train.max_steps, train.max_epochs, "
                 "train.max_time to be positive, found all three 0"
             )
-        if self.schedule == "cosine" and self.max_steps == 0:
-            out.append("train.schedule: 'cosine' decays to 0 at train.max_steps, which must be positive, found 0")
+        if self.schedule in ("cosine", "linear") and self.max_steps == 0:
+            out.append(f"train.schedule: {self.schedule!r} decays to 0 at train.max_steps, "
+                       "which must be positive, found 0")
         return out
 
 

@@ -27,6 +27,8 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
     Linear warmup from 0 to `lr` over `warmup_steps`, then
     - inverse_sqrt: lr * sqrt(warmup / step) (Vaswani et al. 2017, eq. 3; fairseq's inverse_sqrt);
     - cosine: half a cosine from lr to 0 at `max_steps` (Loshchilov & Hutter 2017, arXiv:1608.03983);
+    - linear: a straight line from lr to 0 at `max_steps` (fairseq's polynomial_decay with power 1;
+      the best of the schedules Li et al. 2020, arXiv:1905.04753, compare under a fixed budget);
     - constant: lr.
     """
     warmup = cfg.warmup_steps
@@ -34,9 +36,12 @@ def learning_rate(step: int, cfg: TrainConfig) -> float:
         return cfg.lr * step / warmup
     if cfg.schedule == "inverse_sqrt":
         return cfg.lr * math.sqrt(max(warmup, 1) / step)
-    if cfg.schedule == "cosine":  # step max_steps still learns: the curve reaches 0 one step later
-        progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup + 1))
+    # cosine, linear: step max_steps still learns; the curve reaches 0 one step later
+    progress = min(1.0, (step - warmup) / max(1, cfg.max_steps - warmup + 1))
+    if cfg.schedule == "cosine":
         return cfg.lr * 0.5 * (1.0 + math.cos(math.pi * progress))
+    if cfg.schedule == "linear":
+        return cfg.lr * (1.0 - progress)
     return cfg.lr
 
 
