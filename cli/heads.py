@@ -32,6 +32,8 @@ def inspect_heads_command(
                                                          "bias when saved) or zero (Michel et al. 2019)."),
     prune_order: str = typer.Option("one-shot", "--prune-order", help="one-shot (increasing ablation importance) "
                                                                       "or greedy (re-ranked after every step)."),
+    prune_step: float = typer.Option(0.1, "--prune-step", help="Spacing of the pruning curve, as a fraction of "
+                                                               "all heads."),
     checkpoint: str | None = typer.Option(None, "--checkpoint", help="best, last or averaged [default: recipe's]."),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
     as_json: bool = typer.Option(False, "--json", help="Print heads.json to stdout instead of the table."),
@@ -57,7 +59,8 @@ def inspect_heads_command(
     with progress:
         report = inspect_heads(run, out=out, split=split, data=data, n_examples=n_examples, importance=importance,
                                prune=prune, prune_split=prune_split, max_drop=max_drop, save_pruned=save_pruned,
-                               checkpoint=checkpoint, ablate=ablate, prune_order=prune_order, device=device,
+                               checkpoint=checkpoint, ablate=ablate, prune_order=prune_order, prune_step=prune_step,
+                               device=device,
                                on_event=on_event)
     if as_json:
         typer.echo(json.dumps(report, indent=2))

@@ -221,6 +221,8 @@ def test_cli_inspects_a_classifier_and_writes_every_artifact(tmp_path):
     assert bad.exit_code == 2 and "accuracy" in bad.output
     bad = invoke("inspect-heads", run, "--prune", "--max-drop", "-1")
     assert bad.exit_code == 2 and "--max-drop" in bad.output
+    bad = invoke("inspect-heads", run, "--prune", "--prune-step", "0")
+    assert bad.exit_code == 2 and "--prune-step 0: expected" in bad.output
 
 
 @pytest.fixture(scope="module")
@@ -242,13 +244,13 @@ def translation_run(tmp_path_factory, shared_dir):
 def test_cli_inspects_prunes_and_saves_a_translation_model(translation_run, tmp_path):
     out, pruned = tmp_path / "heads", tmp_path / "pruned"
     result = invoke("inspect-heads", translation_run, "--out", out, "--n-examples", 20, "--save-pruned", pruned,
-                    "--max-drop", 100, "--checkpoint", "last")
+                    "--max-drop", 100, "--checkpoint", "last", "--prune-step", 0.25)
     assert result.exit_code == 0, result.output
     report = json.loads((out / "heads.json").read_text())
     assert {h["space"] for h in report["heads"]} == {"encoder", "decoder", "cross"}
     assert len(report["heads"]) == 2 * 2 + 2 + 2
     curve = report["pruning"]["overall"]
-    assert [p["pruned"] for p in curve] == [round(f * 8) for f in (0, .1, .2, .3, .4, .5, .6, .7, .8, .9)]
+    assert [p["pruned"] for p in curve] == [0, 2, 4, 6]  # --prune-step 0.25 of 8 heads
     assert set(report["pruning"]["by_space"]) == {"encoder", "decoder", "cross"}
     assert (out / "pruning.png").exists() and "pruning" in report["artifacts"]
     saved = report["pruned_model"]

@@ -30,7 +30,6 @@ from xformer.heads.subject import Subject, load_subject, site_space
 from xformer.model.build import attention_modules, build_model, count_parameters
 from xformer.sites import heads_by_site
 
-PRUNE_FRACTIONS = [0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9]
 SPACE_FRACTIONS = [0.0, 0.25, 0.5, 0.75, 1.0]
 Event = Callable[[str, dict], None]
 
@@ -39,17 +38,21 @@ def inspect_heads(
     run_dir: str | Path, *, out: str | Path | None = None, split: str | None = None, data: str | None = None,
     n_examples: int = 500, importance: str = "loss", prune: bool = False, prune_split: str | None = None,
     max_drop: float = 0.5, save_pruned: str | Path | None = None, checkpoint: str | None = None,
-    ablate: str = "zero", prune_order: str = "one-shot", device: str = "auto", on_event: Event | None = None,
+    ablate: str = "zero", prune_order: str = "one-shot", prune_step: float = 0.1, device: str = "auto",
+    on_event: Event | None = None,
 ) -> dict:
     """Analyse every attention head of a run; write heads.json, PNGs and report.html to `out`
     (default RUN/heads) and return the heads.json content. `ablate`: a removed head outputs
     "zero" (Michel et al.) or its "mean" output over the analysed examples (folded into the
     out_proj bias when the pruned model is saved). `prune_order`: "one-shot" (increasing ablation
-    importance) or "greedy" (re-ranked on `split` after every pruning step, importance.greedy_order)."""
+    importance) or "greedy" (re-ranked on `split` after every pruning step, importance.greedy_order).
+    `prune_step`: the whole-model curve's spacing, as a fraction of all heads."""
     if ablate not in ("mean", "zero"):
         raise RunError(f"--ablate {ablate}: expected mean or zero")
     if prune_order not in ("one-shot", "greedy"):
         raise RunError(f"--prune-order {prune_order}: expected one-shot or greedy")
+    if not 0 < prune_step <= 0.5:
+        raise RunError(f"--prune-step {prune_step:g}: expected a fraction of the heads in (0, 0.5]")
     if max_drop < 0:
         raise RunError(f"--max-drop {max_drop:g}: expected a drop >= 0")
     emit = on_event or (lambda kind, info: None)
@@ -102,7 +105,7 @@ def inspect_heads(
     if prune:
         held_out, held_out_name = _held_out(subject, prune_split)  # loaded once: curve and saved model
         report["pruning"] = _pruning(subject, sites, ablation, fill, prune_order, importance, held_out,
-                                     held_out_name, max_drop, emit)
+                                     held_out_name, max_drop, prune_fractions(prune_step), emit)
         if save_pruned is not None and not report["pruning"]["largest_within_max_drop"]["pruned"]:
             report["pruned_model"] = {"path": None, "reason": f"no pruning step stays within --max-drop {max_drop:g}; "
                                                               "nothing saved"}
@@ -119,7 +122,7 @@ def inspect_heads(
 
 
 def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, prune_order: str, importance: str,
-             held_out, name: str, max_drop: float, emit: Event) -> dict:
+             held_out, name: str, max_drop: float, fractions: list[float], emit: Event) -> dict:
     """Curves of the held-out metric as heads go, least important first (one-shot ablation
     order, or greedy re-ranking on the analysis split): over the whole model, and within each
     space (encoder self, decoder self, cross)."""
@@ -133,7 +136,7 @@ def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, p
         return value
 
     spaces = sorted({site_space(s) for s in sites}, key=["encoder", "decoder", "cross"].index)
-    total = len(PRUNE_FRACTIONS) + len(spaces) * (len(SPACE_FRACTIONS) - 1)
+    total = len(fractions) + len(spaces) * (len(SPACE_FRACTIONS) - 1)
     emit("phase", {"name": f"pruning curve ({metric} on {name})", "total": total})
     done = 0
 
@@ -154,7 +157,7 @@ def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, p
         emit("advance", {"done": done})
         return found
 
-    overall = imp.prune_curve(sites, order(ablation, PRUNE_FRACTIONS), measure, PRUNE_FRACTIONS, fill, on_step=tick)
+    overall = imp.prune_curve(sites, order(ablation, fractions), measure, fractions, fill, on_step=tick)
     base = overall[0]["metric"]
     by_space = {}
     for space in spaces:  # only this space's heads, least important first
@@ -171,6 +174,11 @@ def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, p
             "largest_within_max_drop": {"pruned": best["pruned"], "fraction_of_heads": best["pruned"] / n_heads,
                                         "metric": best["metric"], "drop": base - best["metric"],
                                         "heads": best["heads"]}}
+
+
+def prune_fractions(step: float) -> list[float]:
+    """0, step, 2 step, ... below 1 (all heads gone is not a model)."""
+    return [round(i * step, 9) for i in range(int(1 / step) + 2) if i * step < 1 - 1e-9]
 
 
 def _held_out(subject: Subject, prune_split: str | None):
