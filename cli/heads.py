@@ -60,8 +60,7 @@ def inspect_heads_command(
         report = inspect_heads(run, out=out, split=split, data=data, n_examples=n_examples, importance=importance,
                                prune=prune, prune_split=prune_split, max_drop=max_drop, save_pruned=save_pruned,
                                checkpoint=checkpoint, ablate=ablate, prune_order=prune_order, prune_step=prune_step,
-                               device=device,
-                               on_event=on_event)
+                               device=device, on_event=on_event)
     if as_json:
         typer.echo(json.dumps(report, indent=2))
         return

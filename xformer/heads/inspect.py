@@ -145,11 +145,11 @@ def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, p
         done += 1
         emit("advance", {"done": done})
 
-    def order(values: dict, fractions: list[float]) -> list:
+    def order(values: dict, points: list[float]) -> list:  # points: the curve the order must serve
         heads = imp.one_shot_order(values)
         if prune_order == "one-shot":
             return heads
-        sizes = imp.round_sizes(len(heads), fractions)
+        sizes = imp.round_sizes(len(heads), points)
         emit("phase", {"name": f"greedy pruning order ({importance})", "total": len(sizes)})
         found = imp.greedy_order(subject, sites, heads, importance, sizes, fill,
                                  on_round=lambda done, total: emit("advance", {"done": done}))
