@@ -11,7 +11,8 @@
 # CHECKPOINT (default averaged) picks the checkpoint; PRUNE_ORDER one-shot (default) or greedy;
 # IMPORTANCE (default loss) the ablation metric that ranks heads (bleu: greedy decoding);
 # N_PRUNE (default 500) the validation sentences that rank heads for pruning (1014 = all);
-# PRUNE_STEP (default 0.1) the curve's spacing as a fraction of all heads.
+# PRUNE_STEP (default 0.1) the curve's spacing as a fraction of all heads; ABLATE (default zero)
+# what a removed head leaves: zero, mean or rescale (mean + least-squares rescaled survivors).
 set -euo pipefail
 RUN=${1:?usage: benchmarks/heads.sh RUN [OUT] [PRUNE_ORDER]}
 OUT=${2:-$RUN/heads}
@@ -20,6 +21,7 @@ IMPORTANCE=${IMPORTANCE:-loss}
 CHECKPOINT=${CHECKPOINT:-averaged}
 N_PRUNE=${N_PRUNE:-500}
 PRUNE_STEP=${PRUNE_STEP:-0.1}
+ABLATE=${ABLATE:-zero}
 if [ -e "$OUT" ]; then echo "$OUT exists; choose a new OUT" >&2; exit 2; fi
 mkdir -p "$OUT"
 start=$(date +%s)
@@ -27,5 +29,6 @@ xformer inspect-heads "$RUN" --checkpoint "$CHECKPOINT" --out "$OUT/analysis" | 
 echo "default analysis: $(( $(date +%s) - start )) s wall" | tee -a "$OUT/analysis.txt"
 xformer inspect-heads "$RUN" --checkpoint "$CHECKPOINT" --out "$OUT/prune" --prune --prune-order "$ORDER" \
     --importance "$IMPORTANCE" --n-examples "$N_PRUNE" --prune-step "$PRUNE_STEP" \
+    --ablate "$ABLATE" \
     --save-pruned "$OUT/pruned" | tee "$OUT/prune.txt"
 if [ -d "$OUT/pruned" ]; then xformer eval "$OUT/pruned" --json | tee "$OUT/pruned_eval.json"; fi

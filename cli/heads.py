@@ -28,8 +28,10 @@ def inspect_heads_command(
     max_drop: float = typer.Option(0.5, "--max-drop", help="Largest acceptable metric drop for --save-pruned."),
     save_pruned: Path | None = typer.Option(None, "--save-pruned", help="Write the pruned model as a new run "
                                                                         "directory (implies --prune)."),
-    ablate: str = typer.Option("zero", "--ablate", help="A removed head outputs its mean (folded into the "
-                                                         "bias when saved) or zero (Michel et al. 2019)."),
+    ablate: str = typer.Option("zero", "--ablate", help="A removed head outputs zero (Michel et al. 2019), its "
+                                                         "mean, or its mean with the layer's other heads "
+                                                         "rescaled by least squares (rescale); folded into the "
+                                                         "weights when saved."),
     prune_order: str = typer.Option("one-shot", "--prune-order", help="one-shot (increasing ablation importance) "
                                                                       "or greedy (re-ranked after every step)."),
     prune_step: float = typer.Option(0.1, "--prune-step", help="Spacing of the pruning curve, as a fraction of "

@@ -134,8 +134,46 @@ def test_gate_gradient_matches_finite_differences():
         assert grads[site][h] == pytest.approx(abs(numeric), rel=1e-4)
 
 
+def test_rescaled_gate_is_the_least_squares_reconstruction_of_the_site():
+    torch.manual_seed(0)
+    n, h, d = 400, 4, 6
+    c = torch.randn(n, h, d, dtype=torch.float64)
+    c[:, 3] = 0.5 * c[:, 0] + 0.3 * c[:, 3] + 2.0  # head 3 partly repeats head 0, plus a constant
+    centered = c - c.mean(0)
+    cov = torch.einsum("nhd,ngd->hg", centered, centered) / n
+    assert torch.equal(imp.rescaled_gate(cov, []), torch.ones(h))
+    removed, kept = [3], [0, 1, 2]
+    gate = imp.rescaled_gate(cov, removed, ridge=0.0).double()
+    design = centered[:, kept].permute(0, 2, 1).reshape(-1, len(kept))  # (N * D, |K|)
+    target = centered.sum(1).reshape(-1, 1)
+    expected = torch.linalg.lstsq(design, target).solution.squeeze(1)
+    torch.testing.assert_close(gate[kept], expected, atol=1e-6, rtol=0)
+    assert gate[3] == 0.0 and gate[0] > 1.3  # head 0 takes over head 3's share of it
+
+
+def test_rescale_ablation_of_a_duplicated_head_changes_nothing():
+    cfg, model = previous_token_model()
+    with torch.no_grad():  # head 1 of layer 1 computes exactly what head 0 does, through the same columns
+        attn = model.encoder.layers[1].self_attn
+        for proj in (attn.q_proj, attn.k_proj, attn.v_proj):
+            proj.weight[32:] = proj.weight[:32]
+            proj.bias[32:] = proj.bias[:32]
+        attn.out_proj.weight[:, 32:] = attn.out_proj.weight[:, :32]
+    subject = subject_for(model, cfg)
+    sites = attention_modules(model)
+    stats = collect(subject, sites)
+    cov = stats["contribution_cov"]["encoder.1.self_attn"]
+    assert cov[0, 1] == pytest.approx(float(cov[0, 0]), rel=1e-4)  # identical contributions
+    torch.testing.assert_close(imp.rescaled_gate(cov, [1]), torch.tensor([2.0, 0.0]), atol=1e-4, rtol=0)
+    _, rescaled = imp.ablation(subject, sites, "loss", stats["mean_outputs"], stats["contribution_cov"])
+    _, mean_only = imp.ablation(subject, sites, "loss", stats["mean_outputs"])
+    assert rescaled["encoder.1.self_attn"][1] == pytest.approx(0.0, abs=1e-5)
+    assert abs(mean_only["encoder.1.self_attn"][1]) > 1e-4  # without the rescaling, half the output goes
+
+
+@pytest.mark.parametrize("rescale", [False, True])
 @pytest.mark.parametrize("n_kv_heads,remove", [(None, [1]), (2, [0]), (2, [0, 1]), (1, [1, 2])])
-def test_a_physically_pruned_model_equals_the_masked_one(n_kv_heads, remove):
+def test_a_physically_pruned_model_equals_the_masked_one(n_kv_heads, remove, rescale):
     cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=n_kv_heads, d_ff=32, n_encoder_layers=2, n_decoder_layers=2,
                       dropout=0.0, tie_embeddings="none")
     model = build_model(cfg, 30).eval()
@@ -143,12 +181,15 @@ def test_a_physically_pruned_model_equals_the_masked_one(n_kv_heads, remove):
     sites = attention_modules(model)
     heads = [(s, h) for s in ("encoder.1.self_attn", "decoder.0.cross_attn", "decoder.1.self_attn") for h in remove]
     fill = {site: torch.randn(4, 8) for site in sites}  # mean-ablation: a removed head outputs fill[h]
-    with torch.no_grad(), imp.masked(sites, heads, fill):
+    root = {site: torch.randn(4, 4) for site in sites}
+    cov = {site: r @ r.T + 0.1 * torch.eye(4) for site, r in root.items()} if rescale else None
+    with torch.no_grad(), imp.masked(sites, heads, fill, cov):
         expected = model(src, tgt)
     pruned_cfg = dataclasses.replace(cfg, pruned_heads=[f"{s}:{h}" for s, h in heads])
     assert pruned_cfg.problems() == []
     for site, hs in heads_by_site(pruned_cfg.pruned_heads).items():
-        sites[site].prune_heads(hs, fill[site])
+        gate = imp.rescaled_gate(cov[site], hs) if rescale else None
+        sites[site].prune_heads(hs, fill[site], gate)
     reloaded = build_model(pruned_cfg, 30, init=False).eval()
     reloaded.load_state_dict(model.state_dict())  # shapes agree with what the recipe builds
     with torch.no_grad():
@@ -244,11 +285,12 @@ def translation_run(tmp_path_factory, shared_dir):
 def test_cli_inspects_prunes_and_saves_a_translation_model(translation_run, tmp_path):
     out, pruned = tmp_path / "heads", tmp_path / "pruned"
     result = invoke("inspect-heads", translation_run, "--out", out, "--n-examples", 20, "--save-pruned", pruned,
-                    "--max-drop", 100, "--checkpoint", "last", "--prune-step", 0.25)
+                    "--max-drop", 100, "--checkpoint", "last", "--prune-step", 0.25,
+                    "--ablate", "rescale")
     assert result.exit_code == 0, result.output
     report = json.loads((out / "heads.json").read_text())
     assert {h["space"] for h in report["heads"]} == {"encoder", "decoder", "cross"}
-    assert len(report["heads"]) == 2 * 2 + 2 + 2
+    assert len(report["heads"]) == 2 * 2 + 2 + 2 and report["ablate"] == "rescale"
     curve = report["pruning"]["overall"]
     assert [p["pruned"] for p in curve] == [0, 2, 4, 6]  # --prune-step 0.25 of 8 heads
     assert set(report["pruning"]["by_space"]) == {"encoder", "decoder", "cross"}

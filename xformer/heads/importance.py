@@ -1,7 +1,8 @@
 """How much each attention head matters, three ways, and what removing heads costs.
 
-- ablation: mask one head (gate 0 on its output), re-measure the metric; importance is how
-  much worse it gets (loss up, or BLEU / accuracy down);
+- ablation: mask one head (gate 0 on its output; or its mean output; or its mean output with the
+  site's other heads rescaled by least squares, `rescaled_gate`), re-measure the metric;
+  importance is how much worse it gets (loss up, or BLEU / accuracy down);
 - gradient (Michel et al. 2019, arXiv:1905.10650, section 4.1): I_h = sum over batches of
   |dL/d xi_h| with gates xi = 1 on every head's output, then divided by the L2 norm of the
   importances of the same layer (their per-layer normalisation);
@@ -28,23 +29,56 @@ Head = tuple[str, int]  # (site, head index)
 
 
 @contextmanager
-def masked(sites: dict, heads: list[Head], fill: dict | None = None):
+def masked(sites: dict, heads: list[Head], fill: dict | None = None, cov: dict | None = None):
     """Within the block the given heads are ablated: their output is zero, or with `fill`
-    (site -> (H, Dh) mean outputs) their mean output (mean-ablation)."""
+    (site -> (H, Dh) mean outputs) their mean output (mean-ablation). With `cov` as well
+    (site -> (H, H) contribution covariance, stats.collect) the surviving heads of each touched
+    site are also rescaled by least squares to stand in for the removed ones (`rescaled_gate`)."""
+    removed: dict[str, list[int]] = {}
     for site, h in heads:
+        removed.setdefault(site, []).append(h)
+    for site, hs in removed.items():
         module = sites[site]
-        if module.head_gate is None:
-            module.head_gate = torch.ones(module.n_heads, device=module.q_proj.weight.device)
-            module.head_fill = None if fill is None else fill[site].to(module.q_proj.weight.device)
-        module.head_gate[h] = 0.0
+        device = module.q_proj.weight.device
+        gate = keep_gate(module.n_heads, hs) if cov is None else rescaled_gate(cov[site], hs)
+        module.head_gate = gate.to(device)
+        module.head_fill = None if fill is None else fill[site].to(device)
     try:
         yield
     finally:
-        for site, _ in heads:
+        for site in removed:
             sites[site].head_gate = sites[site].head_fill = None
 
 
-def ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = None,
+def keep_gate(n_heads: int, removed: list[int]) -> torch.Tensor:
+    """(H,) ones, with 0 on the removed heads."""
+    gate = torch.ones(n_heads)
+    gate[list(removed)] = 0.0
+    return gate
+
+
+def rescaled_gate(cov: torch.Tensor, removed: list[int], ridge: float = 1e-6) -> torch.Tensor:
+    """Gate (H,) that rebuilds a site from its surviving heads K after removing R: 0 on R, and on K
+    the scales s minimising E||sum_h c_h - (sum_K s_k c_k + b)||^2 over s and a constant b, where
+    c_h is head h's contribution to the site's output and cov their covariance (stats.collect):
+    s_K = 1 + (C_KK)^-1 C_KR 1, a closed-form version of the layer-wise "mask tuning" of Kwon et
+    al. 2022 (arXiv:2204.09656), with no gradient step. The best constant b is what
+    mean-ablation's fill supplies: sum_R mu_r + sum_K (1 - s_k) mu_k (MultiHeadAttention.forward).
+    `ridge` (relative to the mean variance of K) keeps C_KK invertible when heads are collinear."""
+    n = cov.size(0)
+    drop = sorted(set(removed))
+    keep = [h for h in range(n) if h not in drop]
+    gate = torch.zeros(n, dtype=torch.float64)
+    if keep:
+        c = cov.double()
+        c_kk = c[keep][:, keep]
+        c_kk = c_kk + ridge * max(float(c_kk.diagonal().mean()), 1e-12) * torch.eye(len(keep), dtype=torch.float64)
+        target = c[keep][:, drop].sum(1) if drop else torch.zeros(len(keep), dtype=torch.float64)
+        gate[keep] = 1.0 + torch.linalg.solve(c_kk, target)
+    return gate.float()
+
+
+def ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = None, cov: dict | None = None,
              on_head: Callable[[int, int], None] | None = None) -> tuple[float, dict[str, list[float]]]:
     """The metric with every head, and per site the change when each head alone is ablated
     (see `masked`), signed so that larger = more important."""
@@ -55,7 +89,7 @@ def ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = Non
     for site, module in sites.items():
         deltas = []
         for h in range(module.n_heads):
-            with masked(sites, [(site, h)], fill):
+            with masked(sites, [(site, h)], fill, cov):
                 deltas.append(sign * (subject.score(metric) - base))
             done += 1
             if on_head:
@@ -64,7 +98,8 @@ def ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = Non
     return base, out
 
 
-def group_ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = None) -> dict[str, list[float]]:
+def group_ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = None,
+                   cov: dict | None = None) -> dict[str, list[float]]:
     """For GQA/MQA sites: the change when all query heads of one key/value group are masked."""
     sign = 1.0 if metric == "loss" else -1.0
     base = subject.score(metric)
@@ -75,7 +110,7 @@ def group_ablation(subject: Subject, sites: dict, metric: str, fill: dict | None
         group = module.n_heads // module.n_kv_heads
         deltas = []
         for g in range(module.n_kv_heads):
-            with masked(sites, [(site, h) for h in range(g * group, (g + 1) * group)], fill):
+            with masked(sites, [(site, h) for h in range(g * group, (g + 1) * group)], fill, cov):
                 deltas.append(sign * (subject.score(metric) - base))
         out[site] = deltas
     return out
@@ -145,7 +180,8 @@ def one_shot_order(importance: dict[str, list[float]]) -> list[Head]:
 
 
 def greedy_order(subject: Subject, sites: dict, candidates: list[Head], metric: str, sizes: list[int],
-                 fill: dict | None = None, on_round: Callable[[int, int], None] | None = None) -> list[Head]:
+                 fill: dict | None = None, cov: dict | None = None,
+                 on_round: Callable[[int, int], None] | None = None) -> list[Head]:
     """Removal order found greedily: in round r, with the heads removed so far still ablated,
     every remaining candidate is ablated in turn and the sizes[r] whose removal hurts `metric`
     least go next. Re-ranking after each round accounts for heads that stand in for each other
@@ -156,7 +192,7 @@ def greedy_order(subject: Subject, sites: dict, candidates: list[Head], metric: 
     for r, size in enumerate(sizes):
         costs = []
         for head in remaining:
-            with masked(sites, order + [head], fill):
+            with masked(sites, order + [head], fill, cov):
                 costs.append(sign * subject.score(metric))
         ranked = [head for _, head in sorted(zip(costs, remaining, strict=True), key=lambda pair: pair[0])]
         order += ranked[:size]
@@ -167,13 +203,14 @@ def greedy_order(subject: Subject, sites: dict, candidates: list[Head], metric: 
 
 
 def prune_curve(sites: dict, order: list[Head], measure: Callable[[], float], fractions: list[float],
-                fill: dict | None = None, on_step: Callable[[int, int], None] | None = None) -> list[dict]:
+                fill: dict | None = None, cov: dict | None = None,
+                on_step: Callable[[int, int], None] | None = None) -> list[dict]:
     """Ablate the first round(fraction * len(order)) heads of `order` at each fraction and
     measure. Returns [{"fraction", "pruned", "heads", "metric"}]."""
     points = []
     for i, fraction in enumerate(fractions):
         heads = order[:round(fraction * len(order))]
-        with masked(sites, heads, fill):
+        with masked(sites, heads, fill, cov):
             value = measure()
         points.append({"fraction": fraction, "pruned": len(heads), "heads": [f"{s}:{h}" for s, h in heads],
                        "metric": value})

@@ -31,6 +31,7 @@ from xformer.model.build import attention_modules, build_model, count_parameters
 from xformer.sites import heads_by_site
 
 SPACE_FRACTIONS = [0.0, 0.25, 0.5, 0.75, 1.0]
+ABLATIONS = ("zero", "mean", "rescale")
 Event = Callable[[str, dict], None]
 
 
@@ -46,9 +47,11 @@ def inspect_heads(
     "zero" (Michel et al.) or its "mean" output over the analysed examples (folded into the
     out_proj bias when the pruned model is saved). `prune_order`: "one-shot" (increasing ablation
     importance) or "greedy" (re-ranked on `split` after every pruning step, importance.greedy_order).
+    `ablate` "rescale": mean-ablation plus a least-squares rescaling of each touched site's surviving
+    heads (importance.rescaled_gate; statistics from `split`), also folded into the saved model.
     `prune_step`: the whole-model curve's spacing, as a fraction of all heads."""
-    if ablate not in ("mean", "zero"):
-        raise RunError(f"--ablate {ablate}: expected mean or zero")
+    if ablate not in ABLATIONS:
+        raise RunError(f"--ablate {ablate}: expected {', '.join(ABLATIONS)}")
     if prune_order not in ("one-shot", "greedy"):
         raise RunError(f"--prune-order {prune_order}: expected one-shot or greedy")
     if not 0 < prune_step <= 0.5:
@@ -73,11 +76,12 @@ def inspect_heads(
 
     emit("phase", {"name": "attention statistics", "total": len(subject.batches)})
     stats = collect(subject, sites)
-    fill = stats["mean_outputs"] if ablate == "mean" else None
+    fill = stats["mean_outputs"] if ablate in ("mean", "rescale") else None
+    cov = stats["contribution_cov"] if ablate == "rescale" else None
     emit("phase", {"name": f"{ablate}-ablation ({importance})", "total": sum(m.n_heads for m in sites.values())})
-    base, ablation = imp.ablation(subject, sites, importance, fill,
+    base, ablation = imp.ablation(subject, sites, importance, fill, cov,
                                   on_head=lambda done, total: emit("advance", {"done": done}))
-    groups = imp.group_ablation(subject, sites, importance, fill)
+    groups = imp.group_ablation(subject, sites, importance, fill, cov)
     emit("phase", {"name": "gradient importance", "total": 1})
     raw_gradient = imp.gate_gradients(subject, sites)
     gradient = imp.normalise_per_layer(raw_gradient)
@@ -104,13 +108,13 @@ def inspect_heads(
     }
     if prune:
         held_out, held_out_name = _held_out(subject, prune_split)  # loaded once: curve and saved model
-        report["pruning"] = _pruning(subject, sites, ablation, fill, prune_order, importance, held_out,
+        report["pruning"] = _pruning(subject, sites, ablation, fill, cov, prune_order, importance, held_out,
                                      held_out_name, max_drop, prune_fractions(prune_step), emit)
         if save_pruned is not None and not report["pruning"]["largest_within_max_drop"]["pruned"]:
             report["pruned_model"] = {"path": None, "reason": f"no pruning step stays within --max-drop {max_drop:g}; "
                                                               "nothing saved"}
         elif save_pruned is not None:
-            report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, report["pruning"],
+            report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, cov, report["pruning"],
                                                   held_out, Path(save_pruned), checkpoint)
     report["seconds"] = time.perf_counter() - started
     emit("phase", {"name": "report", "total": 1})
@@ -121,8 +125,8 @@ def inspect_heads(
     return report
 
 
-def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, prune_order: str, importance: str,
-             held_out, name: str, max_drop: float, fractions: list[float], emit: Event) -> dict:
+def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, cov: dict | None, prune_order: str,
+             importance: str, held_out, name: str, max_drop: float, fractions: list[float], emit: Event) -> dict:
     """Curves of the held-out metric as heads go, least important first (one-shot ablation
     order, or greedy re-ranking on the analysis split): over the whole model, and within each
     space (encoder self, decoder self, cross)."""
@@ -151,19 +155,19 @@ def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, p
             return heads
         sizes = imp.round_sizes(len(heads), points)
         emit("phase", {"name": f"greedy pruning order ({importance})", "total": len(sizes)})
-        found = imp.greedy_order(subject, sites, heads, importance, sizes, fill,
+        found = imp.greedy_order(subject, sites, heads, importance, sizes, fill, cov,
                                  on_round=lambda done, total: emit("advance", {"done": done}))
         emit("phase", {"name": f"pruning curve ({metric} on {name})", "total": total})
         emit("advance", {"done": done})
         return found
 
-    overall = imp.prune_curve(sites, order(ablation, fractions), measure, fractions, fill, on_step=tick)
+    overall = imp.prune_curve(sites, order(ablation, fractions), measure, fractions, fill, cov, on_step=tick)
     base = overall[0]["metric"]
     by_space = {}
     for space in spaces:  # only this space's heads, least important first
         within_space = {s: v for s, v in ablation.items() if site_space(s) == space}
         space_order = order(within_space, SPACE_FRACTIONS)
-        curve = imp.prune_curve(sites, space_order, measure, SPACE_FRACTIONS[1:], fill, on_step=tick)
+        curve = imp.prune_curve(sites, space_order, measure, SPACE_FRACTIONS[1:], fill, cov, on_step=tick)
         by_space[space] = [{"fraction": 0.0, "pruned": 0, "heads": [], "metric": base}] + curve
     within = [p for p in overall if base - p["metric"] <= max_drop]
     best = max(within, key=lambda p: p["pruned"])
@@ -199,8 +203,8 @@ def _held_out(subject: Subject, prune_split: str | None):
     return (subject.tokenizer.encode(list(raw[d.source_lang]), "source"), list(raw[d.target_lang])), name
 
 
-def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, fill: dict | None, pruning: dict,
-                 held_out, target: Path, checkpoint: str | None) -> dict:
+def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, fill: dict | None, cov: dict | None,
+                 pruning: dict, held_out, target: Path, checkpoint: str | None) -> dict:
     """A new run directory holding the model with the heads of the largest pruning step within
     max_drop removed: recipe.toml (model.pruned_heads), tokenizer/, checkpoints/<name>."""
     recipe = subject.recipe
@@ -222,7 +226,8 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
     model = subject.model
     pruned = copy.deepcopy(model)
     for site, hs in heads_by_site(entries).items():
-        attention_modules(pruned)[site].prune_heads(hs, None if fill is None else fill[site])
+        gate = None if cov is None else imp.rescaled_gate(cov[site], hs)
+        attention_modules(pruned)[site].prune_heads(hs, None if fill is None else fill[site], gate)
     vocab = dict(vocab_size=model.encoder.embed.embedding.num_embeddings, pad_id=PAD_ID, init=False)
     if subject.kind == "translation":
         vocab["tgt_vocab_size"] = model.decoder.embed.embedding.num_embeddings
@@ -256,7 +261,9 @@ def _criteria() -> dict:
             "special": f">= {stats.SPECIAL_MIN:.0%} of attention mass on BOS/EOS/CLS",
             "similarity": f"Jensen-Shannon (base 2) between heads of one space; average-linkage clusters "
                           f"below {stats.CLUSTER_MAX_JS}",
-            "importance": "ablation: metric change with the head's output replaced by zero or by its mean output "
+            "importance": "ablation: metric change with the head's output replaced by zero or by its mean output, "
+                          "or by its mean output with the site's other heads rescaled by least squares to "
+                          "reconstruct the site's output (Kwon et al. 2022's mask tuning in closed form) "
                           "(--ablate; larger = more important); gradient: "
                           "Michel et al. 2019 |dL/dgate| summed over batches, L2-normalised per layer; "
                           "confidence: mean max weight (Voita et al. 2019)"}

@@ -201,7 +201,12 @@ def collect(subject: Subject, sites: dict, keep_examples: int = 3) -> dict:
     """Stream every batch of `subject` through the model, capturing `sites`. Returns
     {"heads": {site: [per-head dict]}, "similarity": {space: {"sites", "js", "clusters"}},
      "examples": [{"rows": example index, site: (H, T, S) map, "queries"/"keys": token strings}],
-     "mean_outputs": {site: (H, Dh) mean output of each head over real queries}}."""
+     "mean_outputs": {site: (H, Dh) mean output of each head over real queries},
+     "contribution_cov": {site: (H, H) covariance of the heads' contributions to the site's output}}.
+
+    A head's contribution is its output through its columns of out_proj, W_h o_h (a D-vector per
+    query); entry (i, j) of contribution_cov is E[(c_i - E c_i) . (c_j - E c_j)] over real queries,
+    what `importance.rescaled_gate` needs to reconstruct a site from a subset of its heads."""
     stats = {site: SiteStats(module.n_heads, site_space(site)) for site, module in sites.items()}
     by_space: dict[str, list[str]] = {}
     for site in sites:
@@ -209,6 +214,7 @@ def collect(subject: Subject, sites: dict, keep_examples: int = 3) -> dict:
     similarity = {space: Similarity(sum(sites[s].n_heads for s in names)) for space, names in by_space.items()}
     examples: list[dict] = []
     output_sums = {site: torch.zeros(m.n_heads * m.head_dim, dtype=torch.float64) for site, m in sites.items()}
+    grams = {site: torch.zeros(m.n_heads, m.n_heads, dtype=torch.float64) for site, m in sites.items()}
     was_training = subject.model.training
     subject.model.eval()
     with torch.no_grad(), capture(sites) as (maps, outputs):
@@ -217,7 +223,9 @@ def collect(subject: Subject, sites: dict, keep_examples: int = 3) -> dict:
             for site, probs in maps.items():
                 tokens = subject.site_tokens(site, batch)
                 real_q = tokens.queries.ne(-1).to(outputs[site].device)
-                output_sums[site] += outputs[site][real_q].sum(0).double().cpu()
+                real_outputs = outputs[site][real_q]  # (N, H * Dh)
+                output_sums[site] += real_outputs.sum(0).double().cpu()
+                grams[site] += _contribution_gram(sites[site], real_outputs)
                 key_side = subject.side(site, "key")
                 special, punct, rarest = _key_masks(subject, tokens.keys, key_side, site_space(site) != "decoder")
                 stats[site].update(probs, tokens, special, punct, rarest)
@@ -236,8 +244,26 @@ def collect(subject: Subject, sites: dict, keep_examples: int = 3) -> dict:
                                  "clusters": [[labels[i] for i in group] for group in clusters(js)]}
     means = {site: (output_sums[site] / max(stats[site].queries, 1)).float().view(m.n_heads, m.head_dim)
              for site, m in sites.items()}
+    cov = {}
+    for site, m in sites.items():
+        mean_contribution = _contributions(m, means[site].reshape(1, -1).double())[0]  # (H, D)
+        n = max(stats[site].queries, 1)
+        cov[site] = (grams[site] / n - mean_contribution @ mean_contribution.T).float()
     return {"heads": {site: stats[site].summary() for site in sites}, "similarity": out_similarity,
-            "examples": sorted(examples, key=lambda e: e["row"]), "mean_outputs": means}
+            "examples": sorted(examples, key=lambda e: e["row"]), "mean_outputs": means, "contribution_cov": cov}
+
+
+def _contributions(module, outputs: torch.Tensor) -> torch.Tensor:
+    """(N, H * Dh) head outputs -> (N, H, D) contributions W_h o_h to the site's output (float64, CPU)."""
+    weight = module.out_proj.weight.detach().double().cpu().view(-1, module.n_heads, module.head_dim)  # (D, H, Dh)
+    per_head = outputs.double().cpu().view(-1, module.n_heads, module.head_dim)  # (N, H, Dh)
+    return torch.einsum("nhk,dhk->nhd", per_head, weight)
+
+
+def _contribution_gram(module, outputs: torch.Tensor) -> torch.Tensor:
+    """Sum over the N queries of c_i . c_j: (H, H)."""
+    c = _contributions(module, outputs)
+    return torch.einsum("nhd,ngd->hg", c, c)
 
 
 def _key_masks(subject: Subject, keys: torch.Tensor, side: str, all_visible: bool):

@@ -165,23 +165,29 @@ class MultiHeadAttention(nn.Module):
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*Dh)
         return self.out_proj(out), probs if need_weights else None
 
-    def prune_heads(self, remove: list[int], fill: Tensor | None = None) -> None:
+    def prune_heads(self, remove: list[int], fill: Tensor | None = None, gate: Tensor | None = None) -> None:
         """Remove query heads `remove` (indices into the current heads) physically: their rows of
         q_proj and columns of out_proj go; a key/value head goes with the last query head that
         reads it. If the surviving groups are uneven, every surviving query head gets its own
-        copy of its key/value head (GQA becomes MHA with the same outputs). With `fill` (H, Dh),
-        a removed head's constant output out_proj(fill[h]) is folded into the out_proj bias, so
-        the result equals mean-ablation."""
+        copy of its key/value head (GQA becomes MHA with the same outputs). The result equals
+        `forward` with head_gate = `gate` (default: 0 on the removed heads, 1 elsewhere) and
+        head_fill = `fill`: survivors' out_proj columns are scaled by their gate and, with `fill`
+        (H, Dh), the constant sum_h (1 - gate_h) W_h fill[h] is folded into the out_proj bias
+        (mean-ablation; with a least-squares gate, importance.rescaled_gate)."""
         keep = [h for h in range(self.n_heads) if h not in set(remove)]
-        if fill is not None:
-            if self.out_proj.bias is None:
-                raise ValueError("folding a removed head's mean output needs an out_proj bias")
-            with torch.no_grad():
-                dh = self.head_dim
-                for h in set(remove):
-                    self.out_proj.bias += self.out_proj.weight[:, h * dh:(h + 1) * dh] @ fill[h].to(self.out_proj.bias)
         if not keep:
             raise ValueError("cannot remove every head of an attention module")
+        if fill is not None and self.out_proj.bias is None:
+            raise ValueError("folding a removed head's mean output needs an out_proj bias")
+        with torch.no_grad():
+            dh = self.head_dim
+            for h in range(self.n_heads):
+                g = float(gate[h]) if gate is not None else float(h in keep)
+                columns = self.out_proj.weight[:, h * dh:(h + 1) * dh]
+                if fill is not None:
+                    self.out_proj.bias += (1 - g) * (columns @ fill[h].to(self.out_proj.bias))
+                if h in keep and g != 1.0:
+                    columns.mul_(g)
         group = self.n_heads // self.n_kv_heads
         kv_of = [h // group for h in keep]
         kv_keep = sorted(set(kv_of))
