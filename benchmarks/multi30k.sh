@@ -8,7 +8,9 @@
 # Environment: RUN (run directory), DEVICE (auto|cpu|cuda, for training and decoding; default
 # cpu), SETS (extra recipe overrides, e.g. "train.lr=1.5e-3 model.dropout=0.3"), MAX_STEPS,
 # VALID_ONLY=1 (stop after the validation table: for tuning sweeps, which must not see test),
-# SKIP_TRAIN=1 (score an existing run), ALLOCATOR (a malloc library to preload for training;
+# SKIP_TRAIN=1 (score an existing run), AVERAGES (e.g. "5": also average the newest 5 kept step
+# checkpoints, `xformer average`, and let validation choose among them; needs train.average_last
+# >= 5), ALLOCATOR (a malloc library to preload for training;
 # default: libtcmalloc_minimal when installed, which made CPU training ~13% faster here; none
 # to use glibc's).
 #
@@ -33,15 +35,22 @@ if [ -z "${SKIP_TRAIN:-}" ]; then
   echo "{\"allocator\": \"${alloc:-glibc}\"}"
   LD_PRELOAD=$alloc xformer train "$recipe" "${sets[@]}" --max-time "$minutes" --device "$device" --out "$run" --overwrite
 fi
-python3 - "$run" "$device" "${VALID_ONLY:-}" <<'PY'
+python3 - "$run" "$device" "${VALID_ONLY:-}" "${AVERAGES:-}" <<'PY'
 import json, sys
+from pathlib import Path
+from xformer.checkpoint import average_run
 from xformer.evaluate import evaluate_run
-run, device, valid_only = sys.argv[1], sys.argv[2], sys.argv[3]
+run, device, valid_only, averages = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
+candidates = ["best", "averaged"]
+for n in averages:
+    if not Path(f"{run}/checkpoints/averaged_last{n}.safetensors").exists():
+        average_run(run, int(n))
+    candidates.append(f"averaged_last{n}")
 train = json.load(open(f"{run}/train.json"))
 print(json.dumps({"run": run, "train_minutes": train["train_seconds"] / 60, "steps": train["steps"],
                   "epochs": train["epochs"], "loop_overhead": train["loop_overhead"], "stop": train["stop_reason"]}))
 best = None
-for checkpoint in ("best", "averaged"):
+for checkpoint in candidates:
     for lenpen in (0.6, 1.0, 1.4):
         r = evaluate_run(run, split="validation", checkpoint=checkpoint, lenpen=lenpen, device=device)
         print(json.dumps({"run": run, "split": "validation", "checkpoint": checkpoint, "lenpen": lenpen,

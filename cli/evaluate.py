@@ -16,7 +16,8 @@ from xformer.evaluate import evaluate_run, translate_lines
 from xformer_cli.common import user_errors
 from xformer_cli.display import score_table
 
-CHECKPOINT_HELP = "best, last or averaged [default: the recipe's eval.checkpoint]."
+CHECKPOINT_HELP = ("best, last, averaged or a name from `xformer average` [default: the recipe's "
+                   "eval.checkpoint].")
 
 
 @user_errors

@@ -5,6 +5,7 @@ from __future__ import annotations
 import typer
 
 import xformer
+from xformer_cli.average import average
 from xformer_cli.check import check
 from xformer_cli.common import STATE
 from xformer_cli.evaluate import evaluate, translate
@@ -47,3 +48,4 @@ app.command("eval")(evaluate)
 app.command("translate")(translate)
 app.command("longrange")(longrange)
 app.command("inspect-heads")(inspect_heads_command)
+app.command("average")(average)

@@ -225,3 +225,22 @@ def test_averaging_is_the_elementwise_mean_and_keeps_ties(tmp_path):
     for (name, pa), pb, pm in zip(a.named_parameters(), b.parameters(), mean.parameters(), strict=True):
         torch.testing.assert_close(pm, (pa + pb) / 2, msg=name)
     assert mean.output.weight is mean.encoder.embed.embedding.weight
+
+
+def test_average_command_reproduces_the_trainers_average_and_never_overwrites(trained):
+    out, _ = trained
+    result = runner.invoke(app, ["average", str(out), "--last", "2", "--name", "avg2", "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["steps"] == [30, 40]
+    mine, meta = read_checkpoint(out / "checkpoints" / "avg2.safetensors")
+    trainers, _ = read_checkpoint(out / "checkpoints" / "averaged.safetensors")
+    assert mine.keys() == trainers.keys() and meta["recipe"]["train"]["average_last"] == 2
+    for key in mine:
+        torch.testing.assert_close(mine[key], trainers[key], rtol=0, atol=0, msg=key)
+    again = runner.invoke(app, ["average", str(out), "--last", "2", "--name", "avg2"])
+    assert again.exit_code == 2 and "exists" in again.output
+    more = runner.invoke(app, ["average", str(out), "--last", "3"])
+    assert more.exit_code == 2 and "2 step checkpoints kept, --last 3" in more.output
+    scored = runner.invoke(app, ["eval", str(out), "--checkpoint", "avg2", "--split", "validation", "--json"])
+    assert scored.exit_code == 0, scored.output
+    assert json.loads(scored.output)["checkpoint"] == "avg2"

@@ -60,6 +60,12 @@ def save_checkpoint(
         meta["optimizer"] = {"param_groups": state["param_groups"], "scalars": scalars}
     for name, value in (extra_tensors or {}).items():
         tensors[name] = value.detach().to("cpu").contiguous()
+    write_tensors(path, tensors, meta)
+
+
+def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+    """Write named tensors (`model.*`, `optim.*`, ...) and JSON-able `meta` as an xformer
+    checkpoint, atomically."""
     header = {"format": FORMAT, **meta}
     _atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata={"xformer": json.dumps(header)}))
 
@@ -134,6 +140,29 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
                 total[k] = total[k] + v.double() if k in total else v.double()
                 dtypes.setdefault(k, v.dtype)
     return {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
+
+
+def average_run(run_dir: str | Path, last: int, name: str | None = None) -> dict[str, Any]:
+    """Average the model weights of the newest `last` step checkpoints a run kept
+    (RUN/checkpoints/step_N.safetensors, train.average_last of them) into
+    RUN/checkpoints/<name>.safetensors (default averaged_last<N>), which `xformer eval
+    --checkpoint <name>` reads. Never overwrites. Returns {"path", "averaged", "steps"}."""
+    folder = Path(run_dir) / "checkpoints"
+    steps = sorted(folder.glob("step_*.safetensors"))
+    if last < 1:
+        raise RunError(f"--last {last}: expected at least 1 checkpoint")
+    if len(steps) < last:
+        raise RunError(f"{folder}: {len(steps)} step checkpoints kept, --last {last} asks for more "
+                       f"(train.average_last sets how many a run keeps)")
+    name = name or f"averaged_last{last}"
+    target = folder / f"{name}.safetensors"
+    if target.exists():
+        raise RunError(f"{target}: exists; choose another --name")
+    chosen = steps[-last:]
+    _, meta = read_checkpoint(chosen[-1])
+    kept = {k: v for k, v in meta.items() if k in ("recipe", "step")}
+    write_tensors(target, average_checkpoints(chosen), {**kept, "averaged": [p.name for p in chosen]})
+    return {"path": str(target), "averaged": [p.name for p in chosen], "steps": [int(p.stem[5:]) for p in chosen]}
 
 
 def _atomic_write(path: Path, write) -> None:
