@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from xformer.config import TrainConfig
-from xformer.optim import learning_rate, sequence_loss
+from xformer.optim import learning_rate, rdrop_kl, sequence_loss
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
@@ -52,3 +52,43 @@ def test_decaying_schedules_need_a_step_horizon(schedule):
     assert TrainConfig(schedule=schedule, max_time=5.0).problems() == [
         f"train.schedule: '{schedule}' decays to 0 at train.max_steps, which must be positive, found 0"]
     assert TrainConfig(schedule=schedule, max_steps=100).problems() == []
+
+
+def test_rdrop_kl_is_the_mean_of_both_kl_directions():
+    torch.manual_seed(0)
+    logits = torch.randn(2 * 5, 7, 11)  # two copies of 5 sequences of 7 positions, vocabulary 11
+    keep = torch.rand(5, 7) > 0.3
+    lp, lq = logits.log_softmax(-1).chunk(2)
+    kl_pq = F.kl_div(lq, lp, log_target=True, reduction="none").sum(-1)  # KL(p || q) per position
+    kl_qp = F.kl_div(lp, lq, log_target=True, reduction="none").sum(-1)
+    expected = ((kl_pq + kl_qp) / 2 * keep).sum()
+    torch.testing.assert_close(rdrop_kl(logits, keep), expected)
+    same = torch.cat([logits[:5], logits[:5]])
+    assert rdrop_kl(same).item() == pytest.approx(0.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("index_rows", [True, False])  # the CPU path (real rows) and the CUDA path (pad masked)
+def test_rdrop_without_dropout_is_the_plain_loss_and_with_dropout_adds_a_positive_term(index_rows):
+    from xformer.config import ModelConfig
+    from xformer.jobs import translation_loss
+    from xformer.model.build import build_model
+    from xformer.runtime import resolve_runtime
+
+    rt = resolve_runtime("cpu", "fp32")
+    torch.manual_seed(0)
+    src, tgt_in, tgt_out = torch.randint(4, 40, (3, 6)), torch.randint(4, 40, (3, 5)), torch.randint(4, 40, (3, 5))
+    tgt_out[0, 3:] = 0  # pad
+    losses = {}
+    for dropout in (0.0, 0.3):
+        cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1, dropout=dropout)
+        model = build_model(cfg, 40).train()
+        for alpha in (0.0, 1e-9, 5.0):  # 1e-9: the same two dropout masks as 5.0, no KL weight
+            torch.manual_seed(1)
+            train = TrainConfig(rdrop_alpha=alpha)
+            losses[dropout, alpha] = translation_loss(model, src, tgt_in, tgt_out, rt, train, index_rows).item()
+    assert losses[0.0, 5.0] == pytest.approx(losses[0.0, 0.0], rel=1e-5)  # no dropout: two equal copies
+    model.eval()  # dropout 0.3 model, evaluated: the KL term must vanish, and must not when training
+    kl_free = translation_loss(model, src, tgt_in, tgt_out, rt, TrainConfig(rdrop_alpha=5.0), index_rows).item()
+    assert kl_free == pytest.approx(translation_loss(model, src, tgt_in, tgt_out, rt, TrainConfig(), index_rows).item(),
+                                    rel=1e-5)
+    assert losses[0.3, 5.0] > losses[0.3, 1e-9] + 1e-4  # two dropout masks disagree: the KL term is positive

@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from xformer.classification import predict
-from xformer.config import SYNTHETIC_TASKS, Recipe
+from xformer.config import SYNTHETIC_TASKS, Recipe, TrainConfig
 from xformer.data.batching import BatchIterator
 from xformer.data.classify import (
     ClassBatches,
@@ -45,10 +45,32 @@ from xformer.data.tokenizer import PAD_ID, train_tokenizer
 from xformer.errors import DataError, RunError
 from xformer.evaluate import build_translation_model, validate
 from xformer.model.build import build_model
-from xformer.optim import sequence_loss
+from xformer.optim import rdrop_kl, sequence_loss
 from xformer.tokenize import ensure_tokenizer, tokenizer_dir
 
 Event = Callable[[str, dict], None]
+
+
+def translation_loss(model, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, rt, train: TrainConfig,
+                     index_rows: bool) -> torch.Tensor:
+    """Summed label-smoothed NLL of tgt_out; `index_rows`: project only the real target
+    positions (the model returns (N, V)) instead of masking pad in (B, T, V). With
+    train.rdrop_alpha > 0 the batch runs twice (two dropout masks) and the loss is the mean of
+    the two NLLs plus alpha / 2 times rdrop_kl: fairseq's R-Drop criterion divided by 2 (the
+    same optimum at the usual loss scale)."""
+    alpha = train.rdrop_alpha
+    if alpha > 0:
+        src, tgt_in, tgt_out = (torch.cat([x, x]) for x in (src, tgt_in, tgt_out))
+    keep = tgt_out.ne(PAD_ID) if index_rows else None
+    with rt.autocast():
+        logits = model(src, tgt_in, keep=keep)
+    target = tgt_out[keep] if keep is not None else tgt_out
+    loss = sequence_loss(logits, target, PAD_ID, train.label_smoothing)
+    if alpha == 0:
+        return loss
+    # indexed rows are copy 1's real positions, then copy 2's, in the same order
+    real = None if index_rows else tgt_out.chunk(2)[0].ne(PAD_ID)
+    return loss / 2 + alpha / 2 * rdrop_kl(logits, real)
 
 
 def make_job(recipe: Recipe):
@@ -104,15 +126,11 @@ class TranslationJob:
         return batch["n_tgt_tokens"]
 
     def loss(self, model, batch: dict, rt) -> torch.Tensor:
-        """Summed label-smoothed NLL over the batch's target tokens."""
+        """Summed label-smoothed NLL over the batch's target tokens (translation_loss)."""
         src, tgt_in, tgt_out = (batch[k].to(rt.device, non_blocking=True) for k in ("src", "tgt_in", "tgt_out"))
         # On the CPU, project only real target positions (the largest matmul); on CUDA the
         # boolean index would cost a host sync per batch, so pad is masked instead.
-        keep = tgt_out.ne(PAD_ID) if rt.device.type == "cpu" else None
-        with rt.autocast():
-            logits = model(src, tgt_in, keep=keep)  # (N, V) on the CPU, (B, T, V) on CUDA
-        target = tgt_out[keep] if keep is not None else tgt_out
-        return sequence_loss(logits, target, PAD_ID, self.recipe.train.label_smoothing)
+        return translation_loss(model, src, tgt_in, tgt_out, rt, self.recipe.train, index_rows=rt.device.type == "cpu")
 
     def validate(self, model, rt) -> dict:
         return validate(model, self.tokenizer, self.valid_batches, self.valid_data, self.refs, self.recipe, rt,
@@ -175,12 +193,19 @@ class ClassificationJob:
         return batch["n_tokens"]
 
     def loss(self, model, batch: dict, rt) -> torch.Tensor:
-        """Summed cross-entropy over the batch's sequences."""
+        """Summed cross-entropy over the batch's sequences (with train.rdrop_alpha: R-Drop, as
+        TranslationJob.loss)."""
         tokens, labels = batch["tokens"].to(rt.device, non_blocking=True), batch["labels"].to(rt.device)
+        alpha = self.recipe.train.rdrop_alpha
+        if alpha > 0:
+            tokens, labels = torch.cat([tokens, tokens]), torch.cat([labels, labels])
         with rt.autocast():
             logits = model(tokens)  # (B, C)
-        return F.cross_entropy(logits.float(), labels, reduction="sum",
-                               label_smoothing=self.recipe.train.label_smoothing)
+        smoothing = self.recipe.train.label_smoothing
+        loss = F.cross_entropy(logits.float(), labels, reduction="sum", label_smoothing=smoothing)
+        if alpha == 0:
+            return loss
+        return loss / 2 + alpha / 2 * rdrop_kl(logits)
 
     def validate(self, model, rt) -> dict:
         was_training = model.training

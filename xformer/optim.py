@@ -55,6 +55,19 @@ def sequence_loss(logits: Tensor, target: Tensor, pad_id: int, label_smoothing: 
     return _SmoothedNLL.apply(logits, target, pad_id, label_smoothing)
 
 
+def rdrop_kl(logits: Tensor, keep: Tensor | None = None) -> Tensor:
+    """R-Drop's regulariser (Liang et al. 2021, arXiv:2106.14448) for a batch that was run twice:
+    logits (2N, ..., V), the first N and the last N rows being the same inputs under two dropout
+    masks. Returns the sum over positions (where `keep`, shaped like logits[:N] without V, is
+    True) of (KL(p1 || p2) + KL(p2 || p1)) / 2 = sum_v (p1 - p2)(log p1 - log p2) / 2, in fp32."""
+    logp = logits.float().log_softmax(-1)
+    logp1, logp2 = logp.chunk(2, dim=0)
+    symmetric = ((logp1.exp() - logp2.exp()) * (logp1 - logp2)).sum(-1) / 2
+    if keep is not None:
+        symmetric = symmetric * keep
+    return symmetric.sum()
+
+
 class _SmoothedNLL(torch.autograd.Function):
     """The loss above with a hand-written backward, softmax(z) - smoothed one-hot, computed in
     place in one (N, V) buffer. Autograd through log_softmax + gather + mean allocates and
