@@ -92,3 +92,25 @@ def test_rdrop_without_dropout_is_the_plain_loss_and_with_dropout_adds_a_positiv
     assert kl_free == pytest.approx(translation_loss(model, src, tgt_in, tgt_out, rt, TrainConfig(), index_rows).item(),
                                     rel=1e-5)
     assert losses[0.3, 5.0] > losses[0.3, 1e-9] + 1e-4  # two dropout masks disagree: the KL term is positive
+
+
+def test_rdrop_for_a_classifier_is_the_plain_loss_without_dropout_and_adds_kl_with_it():
+    from xformer.config import ModelConfig, Recipe
+    from xformer.jobs import ClassificationJob
+    from xformer.model.build import build_model
+    from xformer.runtime import resolve_runtime
+
+    rt = resolve_runtime("cpu", "fp32")
+    torch.manual_seed(0)
+    batch = {"tokens": torch.randint(1, 30, (4, 9)), "labels": torch.randint(0, 3, (4,))}
+    losses = {}
+    for dropout in (0.0, 0.3):
+        cfg = ModelConfig(arch="classifier", d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, dropout=dropout,
+                          pooling="mean")
+        model = build_model(cfg, 30, n_classes=3).train()
+        for alpha in (0.0, 1e-9, 5.0):
+            recipe = Recipe(model=cfg, train=TrainConfig(rdrop_alpha=alpha))
+            torch.manual_seed(1)
+            losses[dropout, alpha] = ClassificationJob(recipe).loss(model, batch, rt).item()
+    assert losses[0.0, 5.0] == pytest.approx(losses[0.0, 0.0], rel=1e-5)
+    assert losses[0.3, 5.0] > losses[0.3, 1e-9] + 1e-4
