@@ -161,7 +161,8 @@ def test_rescale_ablation_of_a_duplicated_head_changes_nothing():
         attn.out_proj.weight[:, 32:] = attn.out_proj.weight[:, :32]
     subject = subject_for(model, cfg)
     sites = attention_modules(model)
-    stats = collect(subject, sites)
+    assert "contribution_cov" not in collect(subject, sites)  # only computed when asked for
+    stats = collect(subject, sites, contributions=True)
     cov = stats["contribution_cov"]["encoder.1.self_attn"]
     assert cov[0, 1] == pytest.approx(float(cov[0, 0]), rel=1e-4)  # identical contributions
     torch.testing.assert_close(imp.rescaled_gate(cov, [1]), torch.tensor([2.0, 0.0]), atol=1e-4, rtol=0)

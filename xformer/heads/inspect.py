@@ -75,7 +75,7 @@ def inspect_heads(
                    "examples": sum(len(b["rows"]) for b in subject.batches)})
 
     emit("phase", {"name": "attention statistics", "total": len(subject.batches)})
-    stats = collect(subject, sites)
+    stats = collect(subject, sites, contributions=ablate == "rescale")
     fill = stats["mean_outputs"] if ablate in ("mean", "rescale") else None
     cov = stats["contribution_cov"] if ablate == "rescale" else None
     emit("phase", {"name": f"{ablate}-ablation ({importance})", "total": sum(m.n_heads for m in sites.values())})

@@ -197,12 +197,13 @@ def clusters(distance: np.ndarray, threshold: float = CLUSTER_MAX_JS) -> list[li
     return groups
 
 
-def collect(subject: Subject, sites: dict, keep_examples: int = 3) -> dict:
+def collect(subject: Subject, sites: dict, keep_examples: int = 3, contributions: bool = False) -> dict:
     """Stream every batch of `subject` through the model, capturing `sites`. Returns
     {"heads": {site: [per-head dict]}, "similarity": {space: {"sites", "js", "clusters"}},
      "examples": [{"rows": example index, site: (H, T, S) map, "queries"/"keys": token strings}],
      "mean_outputs": {site: (H, Dh) mean output of each head over real queries},
-     "contribution_cov": {site: (H, H) covariance of the heads' contributions to the site's output}}.
+     "contribution_cov": {site: (H, H) covariance of the heads' contributions to the site's output},
+     only with `contributions` (what --ablate rescale needs; an extra matmul per site and batch)}.
 
     A head's contribution is its output through its columns of out_proj, W_h o_h (a D-vector per
     query); entry (i, j) of contribution_cov is E[(c_i - E c_i) . (c_j - E c_j)] over real queries,
@@ -225,7 +226,8 @@ def collect(subject: Subject, sites: dict, keep_examples: int = 3) -> dict:
                 real_q = tokens.queries.ne(-1).to(outputs[site].device)
                 real_outputs = outputs[site][real_q]  # (N, H * Dh)
                 output_sums[site] += real_outputs.sum(0).double().cpu()
-                grams[site] += _contribution_gram(sites[site], real_outputs)
+                if contributions:
+                    grams[site] += _contribution_gram(sites[site], real_outputs)
                 key_side = subject.side(site, "key")
                 special, punct, rarest = _key_masks(subject, tokens.keys, key_side, site_space(site) != "decoder")
                 stats[site].update(probs, tokens, special, punct, rarest)
@@ -244,13 +246,15 @@ def collect(subject: Subject, sites: dict, keep_examples: int = 3) -> dict:
                                  "clusters": [[labels[i] for i in group] for group in clusters(js)]}
     means = {site: (output_sums[site] / max(stats[site].queries, 1)).float().view(m.n_heads, m.head_dim)
              for site, m in sites.items()}
-    cov = {}
-    for site, m in sites.items():
-        mean_contribution = _contributions(m, means[site].reshape(1, -1).double())[0]  # (H, D)
-        n = max(stats[site].queries, 1)
-        cov[site] = (grams[site] / n - mean_contribution @ mean_contribution.T).float()
-    return {"heads": {site: stats[site].summary() for site in sites}, "similarity": out_similarity,
-            "examples": sorted(examples, key=lambda e: e["row"]), "mean_outputs": means, "contribution_cov": cov}
+    out = {"heads": {site: stats[site].summary() for site in sites}, "similarity": out_similarity,
+           "examples": sorted(examples, key=lambda e: e["row"]), "mean_outputs": means}
+    if contributions:
+        out["contribution_cov"] = {}
+        for site, m in sites.items():
+            mean_contribution = _contributions(m, means[site].reshape(1, -1).double())[0]  # (H, D)
+            n = max(stats[site].queries, 1)
+            out["contribution_cov"][site] = (grams[site] / n - mean_contribution @ mean_contribution.T).float()
+    return out
 
 
 def _contributions(module, outputs: torch.Tensor) -> torch.Tensor:
