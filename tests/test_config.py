@@ -134,3 +134,12 @@ def test_non_bmp_characters_survive_a_round_trip(tmp_path):
     recipe = recipe_from_dict({**VALID, "data": {"dataset": "corpus-\U0001F600"}})
     recipe.save(tmp_path / "r.toml")
     assert load_recipe(tmp_path / "r.toml").data.dataset == "corpus-\U0001F600"
+
+
+def test_subword_sampling_is_bounded_and_translation_only():
+    lines = problems({**VALID, "data": {"sampling_alpha": 1.5, "sampling_nbest": 1}})
+    assert lines == ["r.toml: data.sampling_alpha: expected a number in [0, 1] (0: no sampling), found 1.5",
+                     "r.toml: data.sampling_nbest: expected -1 (all segmentations) or at least 2, found 1"]
+    lines = problems({**VALID, "model": {"arch": "classifier"}, "data": {"task": "listops", "sampling_alpha": 0.1}})
+    assert lines == ["r.toml: data.sampling_alpha: applies only when data.task = 'translation', "
+                     "found data.task = 'listops'; remove it"]

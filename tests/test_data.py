@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from xformer.data import corpus
-from xformer.data.batching import BatchIterator, collate, collate_source, token_batches
+from xformer.data.batching import BatchIterator, SampledBatchIterator, collate, collate_source, token_batches
 from xformer.data.corpus import encode_split, load_corpus, load_split
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, UNK_ID, Tokenizer, train_tokenizer
 from xformer.errors import DataError
@@ -298,6 +298,33 @@ def test_batch_iterator_yields_each_pair_once_collated_within_budget(joint, mult
     rest = list(iterator.iter_epoch(0, skip=3))
     assert all(torch.equal(a["tgt_out"], b["tgt_out"]) for a, b in zip(rest, batches[3:], strict=True))
     assert not torch.equal(next(iterator.iter_epoch(1))["src"], batches[0]["src"])
+
+
+def test_sampled_batches_resegment_the_same_text_reproducibly_per_epoch(joint, small_train):
+    """Subword regularization: every pair comes back once per epoch, segmented differently
+    from the one best (and from epoch to epoch) but decoding to the same text; the same
+    (seed, epoch) gives the same batches, so resuming mid-epoch is exact."""
+    rows = small_train.select(range(300))
+    best = joint.encode(rows["de"], "source")
+    sampled = SampledBatchIterator(rows, joint, "de", "en", 512, seed=3, alpha=0.2, nbest=-1, max_len=256)
+    epoch0 = list(sampled.iter_epoch(0))
+    assert len(epoch0) == len(sampled)
+    sources = [tuple(s[:s.index(EOS_ID)]) for b in epoch0 for s in b["src"].tolist()]
+    assert len(sources) == 300
+    assert sorted(joint.decode(sources, "source")) == sorted(joint.decode(best, "source"))
+    assert len(set(sources) - {tuple(ids) for ids in best}) > 100  # most were re-segmented
+    again = SampledBatchIterator(rows, joint, "de", "en", 512, seed=3, alpha=0.2, nbest=-1, max_len=256)
+    joint.sample(["Ein Hund."], "source", alpha=0.2, nbest=-1, seed=99)  # other sampling in between
+    rest = list(again.iter_epoch(0, skip=2))
+    assert all(torch.equal(a["src"], b["src"]) and torch.equal(a["tgt_out"], b["tgt_out"])
+               for a, b in zip(rest, epoch0[2:], strict=True))
+    epoch1 = [tuple(s[:s.index(EOS_ID)]) for b in sampled.iter_epoch(1) for s in b["src"].tolist()]
+    assert sorted(epoch1) != sorted(sources)
+    # pairs longer than max_len after sampling sit the epoch out
+    short = SampledBatchIterator(rows, joint, "de", "en", 512, seed=3, alpha=0.2, nbest=-1, max_len=24)
+    kept = [b for b in short.iter_epoch(0)]
+    assert 0 < sum(len(b["src"]) for b in kept) < 300
+    assert all(b["src"].shape[1] <= 25 and b["tgt_out"].shape[1] <= 25 for b in kept)
 
 
 def test_a_nested_translation_column_becomes_one_column_per_language(tmp_path):

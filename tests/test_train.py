@@ -63,10 +63,11 @@ def test_training_writes_a_complete_run_and_loss_falls(trained):
     assert {"bleu", "chrf", "ppl"} <= set(valid[0])
 
 
-def test_resume_equals_uninterrupted(corpus, tmp_path):
-    extra = ["model.dropout=0.3", "train.max_steps=20"]
+@pytest.mark.parametrize("sampling", [[], ["data.sampling_alpha=0.3"]], ids=["best", "sampled"])
+def test_resume_equals_uninterrupted(corpus, tmp_path, sampling):
+    extra = ["model.dropout=0.3", "train.max_steps=20", *sampling]
     straight = run(tiny_recipe(corpus, *extra), tmp_path / "a", device="cpu")
-    run(tiny_recipe(corpus, "model.dropout=0.3", "train.max_steps=10"), tmp_path / "b", device="cpu")
+    run(tiny_recipe(corpus, "model.dropout=0.3", "train.max_steps=10", *sampling), tmp_path / "b", device="cpu")
     resumed = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", resume=True)
     assert resumed.steps == straight.steps == 20
     a, _ = read_checkpoint(tmp_path / "a" / "checkpoints" / "last.safetensors")

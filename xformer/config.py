@@ -188,6 +188,13 @@ class DataConfig:
     joint_vocab: bool = field(default=True, metadata=only_when("task", "translation"))
     character_coverage: float = field(default=1.0, metadata=only_when("task", *CORPUS_TASKS))
     byte_fallback: bool = field(default=False, metadata=only_when("task", *CORPUS_TASKS))
+    # Subword regularization (Kudo 2018, arXiv:1804.10959; BPE-dropout, Provilkov et al. 2020,
+    # arXiv:1910.13267): with sampling_alpha > 0 each training epoch re-encodes the training pairs
+    # with segmentations sentencepiece samples (unigram: the lattice's probabilities raised to
+    # alpha, over the sampling_nbest best, -1 = all; bpe: each merge dropped with probability
+    # alpha). Validation, eval and translate always use the single best segmentation.
+    sampling_alpha: float = field(default=0.0, metadata=only_when("task", "translation"))
+    sampling_nbest: int = field(default=-1, metadata=only_when("task", "translation"))
     max_len: int = 256
     max_tokens: int = 4096  # padded tokens per batch, source or target side, whichever is larger
 
@@ -206,6 +213,12 @@ class DataConfig:
             )
         if self.task == "translation" and self.tokenizer not in ("unigram", "bpe"):
             out.append(f"data.tokenizer: translation uses sentencepiece 'unigram' or 'bpe', found {self.tokenizer!r}")
+        if not 0 <= self.sampling_alpha <= 1:
+            out.append(f"data.sampling_alpha: expected a number in [0, 1] (0: no sampling), "
+                       f"found {self.sampling_alpha}")
+        if self.sampling_nbest != -1 and self.sampling_nbest < 2:
+            out.append(f"data.sampling_nbest: expected -1 (all segmentations) or at least 2, "
+                       f"found {self.sampling_nbest}")
         out += self._curriculum_problems()
         if self.task == "listops" and self.max_len < 8:
             out.append(f"data.max_len: ListOps needs lengths strictly between max_len // 4 and max_len; "

@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from xformer.classification import predict
 from xformer.config import SYNTHETIC_TASKS, Recipe, TrainConfig
-from xformer.data.batching import BatchIterator
+from xformer.data.batching import BatchIterator, SampledBatchIterator
 from xformer.data.classify import (
     ClassBatches,
     Examples,
@@ -107,7 +107,14 @@ class TranslationJob:
         emit("setup", {"message": "tokenizing"})
         train = encode_split(self.train_raw, self.tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
         self.valid_data = encode_split(self.valid_raw, self.tokenizer, d.source_lang, d.target_lang)
-        self.train_batches = BatchIterator(train, max_tokens=d.max_tokens, seed=recipe.train.seed)
+        if d.sampling_alpha > 0:
+            emit("setup", {"message": f"sampling segmentations every epoch (alpha {d.sampling_alpha}, "
+                                      f"nbest {d.sampling_nbest})"})
+            self.train_batches = SampledBatchIterator(self.train_raw, self.tokenizer, d.source_lang, d.target_lang,
+                                                      d.max_tokens, seed=recipe.train.seed, alpha=d.sampling_alpha,
+                                                      nbest=d.sampling_nbest, max_len=d.max_len)
+        else:
+            self.train_batches = BatchIterator(train, max_tokens=d.max_tokens, seed=recipe.train.seed)
         if len(self.train_batches) == 0:
             raise DataError(f"{d.dataset}: no training pair has 1 to data.max_len = {d.max_len} pieces on both sides")
         self.valid_batches = BatchIterator(self.valid_data, max_tokens=d.max_tokens, seed=recipe.train.seed,

@@ -86,6 +86,17 @@ class Tokenizer:
         A missing text (None, a null in JSON) encodes as empty."""
         return self._model(side).encode([t or "" for t in texts], out_type=int)
 
+    def sample(self, texts: Sequence[str | None], side: Side, *, alpha: float, nbest: int,
+               seed: int) -> list[list[int]]:
+        """encode() with sampled segmentations (subword regularization, Kudo 2018,
+        arXiv:1804.10959; BPE-dropout for a BPE model, arXiv:1910.13267), reproducible from
+        `seed`. Sentencepiece keeps one generator per thread, seeded from a process-wide
+        seed, so this seeds it and samples on the calling thread alone: more threads would
+        share the texts out differently from call to call."""
+        spm.set_random_generator_seed(seed)
+        return self._model(side).encode([t or "" for t in texts], out_type=int, enable_sampling=True,
+                                        alpha=alpha, nbest_size=nbest, num_threads=1)
+
     def pieces(self, texts: Sequence[str | None], side: Side) -> list[list[str]]:
         """The pieces themselves ('▁Ein', '▁Hund', ...), for looking at what encode does."""
         return self._model(side).encode([t or "" for t in texts], out_type=str)
