@@ -32,8 +32,10 @@ def inspect_heads_command(
                                                          "mean, or its mean with the layer's other heads "
                                                          "rescaled by least squares (rescale); folded into the "
                                                          "weights when saved."),
-    prune_order: str = typer.Option("one-shot", "--prune-order", help="one-shot (increasing ablation importance) "
-                                                                      "or greedy (re-ranked after every step)."),
+    prune_order: str = typer.Option("one-shot", "--prune-order", help="one-shot (increasing ablation importance), "
+                                                                      "gradient (Michel et al.'s normalised gradient "
+                                                                      "importance) or greedy (re-ranked after every "
+                                                                      "step)."),
     prune_step: float = typer.Option(0.1, "--prune-step", help="Spacing of the pruning curve, as a fraction of "
                                                                "all heads."),
     checkpoint: str | None = typer.Option(None, "--checkpoint", help="best, last or averaged [default: recipe's]."),

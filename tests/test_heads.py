@@ -259,6 +259,14 @@ def test_cli_inspects_a_classifier_and_writes_every_artifact(tmp_path):
     assert html.count("data:image/png;base64,") == len(pngs) >= 2  # every figure embedded, once
     assert all(base64.b64encode(p.read_bytes()).decode("ascii") in html for p in pngs)
     assert json.loads((out / "heads.json").read_text())["rank_correlation"].keys() == report["rank_correlation"].keys()
+    by_gradient = invoke("inspect-heads", run, "--out", tmp_path / "g", "--n-examples", 30, "--prune",
+                         "--prune-order", "gradient", "--prune-step", 0.25, "--json")
+    assert by_gradient.exit_code == 0, by_gradient.output
+    pruning = json.loads(by_gradient.stdout)["pruning"]
+    least = min(report["heads"], key=lambda h: h["gradient"])  # Michel et al.'s order: lowest normalised first
+    assert pruning["order"] == "gradient" and pruning["overall"][1]["heads"] == [f"{least['site']}:{least['head']}"]
+    bad = invoke("inspect-heads", run, "--prune", "--prune-order", "random")
+    assert bad.exit_code == 2 and "expected one-shot, gradient, greedy" in bad.output
     bad = invoke("inspect-heads", run, "--importance", "bleu")
     assert bad.exit_code == 2 and "accuracy" in bad.output
     bad = invoke("inspect-heads", run, "--prune", "--max-drop", "-1")

@@ -35,6 +35,9 @@ ABLATIONS = ("zero", "mean", "rescale")
 Event = Callable[[str, dict], None]
 
 
+PRUNE_ORDERS = ("one-shot", "gradient", "greedy")
+
+
 def inspect_heads(
     run_dir: str | Path, *, out: str | Path | None = None, split: str | None = None, data: str | None = None,
     n_examples: int = 500, importance: str = "loss", prune: bool = False, prune_split: str | None = None,
@@ -46,14 +49,16 @@ def inspect_heads(
     (default RUN/heads) and return the heads.json content. `ablate`: a removed head outputs
     "zero" (Michel et al.) or its "mean" output over the analysed examples (folded into the
     out_proj bias when the pruned model is saved). `prune_order`: "one-shot" (increasing ablation
-    importance) or "greedy" (re-ranked on `split` after every pruning step, importance.greedy_order).
+    importance), "gradient" (increasing gradient importance normalised per layer: Michel et al.
+    2019's order) or "greedy" (re-ranked on `split` after every pruning step,
+    importance.greedy_order).
     `ablate` "rescale": mean-ablation plus a least-squares rescaling of each touched site's surviving
     heads (importance.rescaled_gate; statistics from `split`), also folded into the saved model.
     `prune_step`: the whole-model curve's spacing, as a fraction of all heads."""
     if ablate not in ABLATIONS:
         raise RunError(f"--ablate {ablate}: expected {', '.join(ABLATIONS)}")
-    if prune_order not in ("one-shot", "greedy"):
-        raise RunError(f"--prune-order {prune_order}: expected one-shot or greedy")
+    if prune_order not in PRUNE_ORDERS:
+        raise RunError(f"--prune-order {prune_order}: expected {', '.join(PRUNE_ORDERS)}")
     if not 0 < prune_step <= 0.5:
         raise RunError(f"--prune-step {prune_step:g}: expected a fraction of the heads in (0, 0.5]")
     if max_drop < 0:
@@ -108,7 +113,8 @@ def inspect_heads(
     }
     if prune:
         held_out, held_out_name = _held_out(subject, prune_split)  # loaded once: curve and saved model
-        report["pruning"] = _pruning(subject, sites, ablation, fill, cov, prune_order, importance, held_out,
+        ranking = gradient if prune_order == "gradient" else ablation
+        report["pruning"] = _pruning(subject, sites, ranking, fill, cov, prune_order, importance, held_out,
                                      held_out_name, max_drop, prune_fractions(prune_step), emit)
         if save_pruned is not None and not report["pruning"]["largest_within_max_drop"]["pruned"]:
             report["pruned_model"] = {"path": None, "reason": f"no pruning step stays within --max-drop {max_drop:g}; "
@@ -125,11 +131,11 @@ def inspect_heads(
     return report
 
 
-def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, cov: dict | None, prune_order: str,
+def _pruning(subject: Subject, sites: dict, ranking: dict, fill: dict | None, cov: dict | None, prune_order: str,
              importance: str, held_out, name: str, max_drop: float, fractions: list[float], emit: Event) -> dict:
-    """Curves of the held-out metric as heads go, least important first (one-shot ablation
-    order, or greedy re-ranking on the analysis split): over the whole model, and within each
-    space (encoder self, decoder self, cross)."""
+    """Curves of the held-out metric as heads go, least important first by `ranking` (ablation
+    or gradient importance, once; or greedy re-ranking on the analysis split): over the whole
+    model, and within each space (encoder self, decoder self, cross)."""
     metric = "bleu" if subject.kind == "translation" else "accuracy"
     timings: list[float] = []
 
@@ -151,7 +157,7 @@ def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, c
 
     def order(values: dict, points: list[float]) -> list:  # points: the curve the order must serve
         heads = imp.one_shot_order(values)
-        if prune_order == "one-shot":
+        if prune_order != "greedy":
             return heads
         sizes = imp.round_sizes(len(heads), points)
         emit("phase", {"name": f"greedy pruning order ({importance})", "total": len(sizes)})
@@ -161,11 +167,11 @@ def _pruning(subject: Subject, sites: dict, ablation: dict, fill: dict | None, c
         emit("advance", {"done": done})
         return found
 
-    overall = imp.prune_curve(sites, order(ablation, fractions), measure, fractions, fill, cov, on_step=tick)
+    overall = imp.prune_curve(sites, order(ranking, fractions), measure, fractions, fill, cov, on_step=tick)
     base = overall[0]["metric"]
     by_space = {}
     for space in spaces:  # only this space's heads, least important first
-        within_space = {s: v for s, v in ablation.items() if site_space(s) == space}
+        within_space = {s: v for s, v in ranking.items() if site_space(s) == space}
         space_order = order(within_space, SPACE_FRACTIONS)
         curve = imp.prune_curve(sites, space_order, measure, SPACE_FRACTIONS[1:], fill, cov, on_step=tick)
         by_space[space] = [{"fraction": 0.0, "pruned": 0, "heads": [], "metric": base}] + curve
