@@ -63,7 +63,8 @@ def test_training_writes_a_complete_run_and_loss_falls(trained):
     assert {"bleu", "chrf", "ppl"} <= set(valid[0])
 
 
-@pytest.mark.parametrize("sampling", [[], ["data.sampling_alpha=0.3"]], ids=["best", "sampled"])
+@pytest.mark.parametrize("sampling", [["data.sampling_alpha=0.0"], ["data.sampling_alpha=0.3"]],
+                         ids=["one-best", "sampled"])
 def test_resume_equals_uninterrupted(corpus, tmp_path, sampling):
     extra = ["model.dropout=0.3", "train.max_steps=20", *sampling]
     straight = run(tiny_recipe(corpus, *extra), tmp_path / "a", device="cpu")
