@@ -105,15 +105,15 @@ class TranslationJob:
             emit("setup", {"message": f"training a {d.vocab_size}-piece {d.tokenizer} sentencepiece model"})
         self.tokenizer = ensure_tokenizer(recipe, run_dir, self.train_raw)
         emit("setup", {"message": "tokenizing"})
-        train = encode_split(self.train_raw, self.tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
         self.valid_data = encode_split(self.valid_raw, self.tokenizer, d.source_lang, d.target_lang)
-        if d.sampling_alpha > 0:
+        if d.sampling_alpha > 0:  # the training pairs are encoded afresh every epoch
             emit("setup", {"message": f"sampling segmentations every epoch (alpha {d.sampling_alpha}, "
                                       f"nbest {d.sampling_nbest})"})
             self.train_batches = SampledBatchIterator(self.train_raw, self.tokenizer, d.source_lang, d.target_lang,
                                                       d.max_tokens, seed=recipe.train.seed, alpha=d.sampling_alpha,
                                                       nbest=d.sampling_nbest, max_len=d.max_len)
         else:
+            train = encode_split(self.train_raw, self.tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
             self.train_batches = BatchIterator(train, max_tokens=d.max_tokens, seed=recipe.train.seed)
         if len(self.train_batches) == 0:
             raise DataError(f"{d.dataset}: no training pair has 1 to data.max_len = {d.max_len} pieces on both sides")

@@ -225,15 +225,19 @@ class SampledBatchIterator:
 
 def _concatenate(rows: list[list[int]], lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Id lists -> (all ids concatenated as int32, start of each row), as _flatten gives."""
-    ids = np.fromiter(chain.from_iterable(rows), dtype=np.int32, count=int(lens.sum()))
-    return ids, np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    return np.fromiter(chain.from_iterable(rows), dtype=np.int32, count=int(lens.sum())), _starts(lens)
+
+
+def _starts(lens: np.ndarray) -> np.ndarray:
+    """Where each row starts in the concatenation of rows with lengths `lens`."""
+    return np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
 
 
 def _flatten(column, lens: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """A list<int32> Arrow column -> (all ids concatenated, start of each row). Chunk by
     chunk, since one combined list array would overflow its int32 offsets past 2^31 ids."""
     ids = np.concatenate([pc.list_flatten(chunk).to_numpy() for chunk in column.chunks] or [np.zeros(0, np.int32)])
-    starts = np.concatenate([[0], np.cumsum(lens)[:-1]]).astype(np.int64)
+    starts = _starts(lens)
     if len(ids) != lens.sum():
         raise ValueError(f"the length columns count {lens.sum()} ids but the id column holds {len(ids)}")
     return ids, starts
