@@ -325,6 +325,8 @@ def test_sampled_batches_resegment_the_same_text_reproducibly_per_epoch(joint, s
     kept = [b for b in short.iter_epoch(0)]
     assert 0 < sum(len(b["src"]) for b in kept) < 300
     assert all(b["src"].shape[1] <= 25 and b["tgt_out"].shape[1] <= 25 for b in kept)
+    none = SampledBatchIterator(rows, joint, "de", "en", 512, seed=3, alpha=0.2, nbest=-1, max_len=1)
+    assert "data.max_len = 1: no training pair's sampled segmentation" in data_error(len, none)
 
 
 def test_a_nested_translation_column_becomes_one_column_per_language(tmp_path):

@@ -26,6 +26,7 @@ import pyarrow.compute as pc
 import torch
 
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from xformer.errors import DataError
 
 
 def token_batches(
@@ -209,6 +210,9 @@ class SampledBatchIterator:
             tgt = self.tokenizer.sample(self.targets, "target", alpha=self.alpha, nbest=self.nbest, seed=int(seeds[1]))
             kept = [i for i, (s, t) in enumerate(zip(src, tgt, strict=True))
                     if 0 < len(s) <= self.max_len and 0 < len(t) <= self.max_len]
+            if not kept:  # else the trainer would loop over empty epochs
+                raise DataError(f"data.max_len = {self.max_len}: no training pair's sampled segmentation (epoch "
+                                f"{epoch}) has 1 to max_len pieces on both sides; raise data.max_len")
             self._cached = (epoch, BatchIterator.from_ids([src[i] for i in kept], [tgt[i] for i in kept],
                                                           self.max_tokens, seed=self.seed))
         return self._cached[1]
