@@ -140,3 +140,24 @@ def test_attention_dropout_only_in_training():
     torch.testing.assert_close(attn(x)[0], attn(x)[0])
     attn.train()
     assert not torch.allclose(attn(x)[0], attn(x)[0])
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
+def test_head_dropout_drops_whole_heads_per_example_and_rescales_the_rest(backend):
+    torch.manual_seed(0)
+    p, n = 0.25, 2000
+    attn = MultiHeadAttention(D, H, head_dropout=p, backend=backend)
+    with torch.no_grad():  # out_proj = identity: the output is the concatenation of the heads
+        attn.out_proj.weight.copy_(torch.eye(D))
+        attn.out_proj.bias.zero_()
+    x = torch.randn(n, 2, D)
+    attn.eval()
+    full = attn(x)[0].view(n, 2, H, D // H)
+    attn.train()
+    dropped = attn(x)[0].view(n, 2, H, D // H)
+    kept = dropped.abs().amax(dim=(1, 3)) > 0  # (n, H): which heads survived in each example
+    scale = H / kept.sum(1).clamp(min=1)  # (n,)
+    expected = full * kept[:, None, :, None] * scale[:, None, None, None]
+    torch.testing.assert_close(dropped, expected)
+    assert abs((~kept).float().mean().item() - p) < 0.02
+    assert kept.any(0).all() and (~kept).any(0).all()  # every head is dropped in some examples only

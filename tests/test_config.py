@@ -43,6 +43,8 @@ def test_all_problems_are_reported_together():
     ({"n_heads": 8, "n_kv_heads": 3}, "model.n_kv_heads: expected a divisor of model.n_heads = 8, found 3"),
     ({"arch": "seq2seq", "pooling": "mean"}, "model.pooling: applies only when model.arch = 'classifier'"),
     ({"arch": "classifier", "n_decoder_layers": 2}, "model.n_decoder_layers: applies only when model.arch = 'seq2seq'"),
+    ({"head_dropout": 1.5}, "model.head_dropout: expected a number in [0, 1), found 1.5"),
+    ({"arch": "lstm", "head_dropout": 0.1}, "model.head_dropout: applies only when model.arch = 'seq2seq' or 'classifier'"),
 ])
 def test_cross_field_rules(model, expected):
     assert any(expected in line for line in problems({**VALID, "model": model}))

@@ -79,6 +79,9 @@ class ModelConfig:
     dropout: float = 0.1
     attention_dropout: float = 0.0
     activation_dropout: float = 0.0
+    # DropHead (Zhou et al. 2020, arXiv:2004.13342): each attention head's output is dropped with
+    # this probability per training example, the survivors rescaled by H / (heads kept).
+    head_dropout: float = field(default=0.0, metadata=only_when("arch", "seq2seq", "classifier"))
     positional: Positional = "sinusoidal"
     max_positions: int = 1024
     norm_position: NormPosition = "post"
@@ -113,7 +116,7 @@ class ModelConfig:
             out += positive(self, "n_decoder_layers")
         if self.n_kv_heads is not None and self.n_kv_heads <= 0:
             out.append(f"model.n_kv_heads: expected a positive integer, found {self.n_kv_heads}")
-        out += probability(self, "dropout", "attention_dropout", "activation_dropout")
+        out += probability(self, "dropout", "attention_dropout", "activation_dropout", "head_dropout")
         if self.norm_eps <= 0:
             out.append(f"model.norm_eps: expected a positive number, found {self.norm_eps}")
         if self.n_heads > 0 and self.d_model % self.n_heads:

@@ -65,6 +65,15 @@ def sdpa_attention(
     )
 
 
+def drop_heads(out: Tensor, p: float) -> Tensor:
+    """DropHead (Zhou et al. 2020, arXiv:2004.13342): zero each head's output (B, H, T, Dh) with
+    probability p, independently per example, and scale an example's surviving heads by
+    H / (heads kept) so that the sum over heads keeps its scale. At inference nothing is dropped."""
+    b, h = out.shape[:2]
+    keep = (torch.rand(b, h, 1, 1, device=out.device) >= p).to(out.dtype)  # (B, H, 1, 1)
+    return out * keep * (h / keep.sum(1, keepdim=True).clamp(min=1))
+
+
 class KVCache:
     """Keys and values of one attention module during incremental decoding.
 
@@ -102,7 +111,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(
         self, d_model: int, n_heads: int, n_kv_heads: int | None = None, dropout: float = 0.0,
-        backend: str = "sdpa", bias: bool = True,
+        backend: str = "sdpa", bias: bool = True, head_dropout: float = 0.0,
     ):
         super().__init__()
         self.n_heads = n_heads
@@ -112,6 +121,7 @@ class MultiHeadAttention(nn.Module):
                              f"{d_model=}, {n_heads=}, n_kv_heads={self.n_kv_heads}")
         self.head_dim = d_model // n_heads
         self.dropout = dropout
+        self.head_dropout = head_dropout
         self.backend = backend
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
@@ -157,6 +167,8 @@ class MultiHeadAttention(nn.Module):
                 self.on_probs(probs)
         else:
             out = sdpa_attention(q, k, v, mask, is_causal, self.dropout, self.training)
+        if self.training and self.head_dropout > 0:
+            out = drop_heads(out, self.head_dropout)
         if self.head_gate is not None:
             gate = self.head_gate.to(out.dtype)[:, None, None]  # (H, 1, 1)
             out = out * gate  # (B, H, T, Dh)

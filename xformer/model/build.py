@@ -43,7 +43,8 @@ def build_model(
                               pad_id=pad_id)
     layer_args = dict(
         n_kv_heads=cfg.n_kv_heads, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
-        activation_dropout=cfg.activation_dropout, activation=cfg.activation, norm=cfg.norm,
+        activation_dropout=cfg.activation_dropout, head_dropout=cfg.head_dropout,
+        activation=cfg.activation, norm=cfg.norm,
         norm_eps=cfg.norm_eps, norm_position=cfg.norm_position, backend=cfg.attention_backend,
     )
 

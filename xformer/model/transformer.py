@@ -30,12 +30,13 @@ class EncoderLayer(nn.Module):
     def __init__(
         self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
         dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-        activation: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
+        head_dropout: float = 0.0, activation: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
         norm_position: str = "post", backend: str = "sdpa",
     ):
         super().__init__()
         self.norm_position = norm_position
-        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
+                                            head_dropout=head_dropout)
         self.self_attn_norm = NORMS[norm](d_model, norm_eps)
         self.ffn = FeedForward(d_model, d_ff, activation, activation_dropout)
         self.ffn_norm = NORMS[norm](d_model, norm_eps)
@@ -70,14 +71,16 @@ class DecoderLayer(nn.Module):
     def __init__(
         self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
         dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-        activation: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
+        head_dropout: float = 0.0, activation: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
         norm_position: str = "post", backend: str = "sdpa",
     ):
         super().__init__()
         self.norm_position = norm_position
-        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend)
+        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
+                                            head_dropout=head_dropout)
         self.self_attn_norm = NORMS[norm](d_model, norm_eps)
-        self.cross_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend)
+        self.cross_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
+                                            head_dropout=head_dropout)
         self.cross_attn_norm = NORMS[norm](d_model, norm_eps)
         self.ffn = FeedForward(d_model, d_ff, activation, activation_dropout)
         self.ffn_norm = NORMS[norm](d_model, norm_eps)
