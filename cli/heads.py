@@ -30,8 +30,10 @@ def inspect_heads_command(
                                                                         "directory (implies --prune)."),
     ablate: str = typer.Option("zero", "--ablate", help="A removed head outputs zero (Michel et al. 2019), its "
                                                          "mean, or its mean with the layer's other heads "
-                                                         "rescaled by least squares (rescale); folded into the "
-                                                         "weights when saved."),
+                                                         "rescaled by least squares (rescale), or zero with the "
+                                                         "layer's other heads scaled by H / kept (renorm, as "
+                                                         "DropHead trains them); folded into the weights when "
+                                                         "saved."),
     prune_order: str = typer.Option("one-shot", "--prune-order", help="one-shot (increasing ablation importance), "
                                                                       "gradient (Michel et al.'s normalised gradient "
                                                                       "importance) or greedy (re-ranked after every "

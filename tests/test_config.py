@@ -44,7 +44,8 @@ def test_all_problems_are_reported_together():
     ({"arch": "seq2seq", "pooling": "mean"}, "model.pooling: applies only when model.arch = 'classifier'"),
     ({"arch": "classifier", "n_decoder_layers": 2}, "model.n_decoder_layers: applies only when model.arch = 'seq2seq'"),
     ({"head_dropout": 1.5}, "model.head_dropout: expected a number in [0, 1), found 1.5"),
-    ({"arch": "lstm", "head_dropout": 0.1}, "model.head_dropout: applies only when model.arch = 'seq2seq' or 'classifier'"),
+    ({"arch": "lstm", "head_dropout": 0.1},
+     "model.head_dropout: applies only when model.arch = 'seq2seq' or 'classifier'"),
 ])
 def test_cross_field_rules(model, expected):
     assert any(expected in line for line in problems({**VALID, "model": model}))

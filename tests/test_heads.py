@@ -166,15 +166,22 @@ def test_rescale_ablation_of_a_duplicated_head_changes_nothing():
     cov = stats["contribution_cov"]["encoder.1.self_attn"]
     assert cov[0, 1] == pytest.approx(float(cov[0, 0]), rel=1e-4)  # identical contributions
     torch.testing.assert_close(imp.rescaled_gate(cov, [1]), torch.tensor([2.0, 0.0]), atol=1e-4, rtol=0)
-    _, rescaled = imp.ablation(subject, sites, "loss", stats["mean_outputs"], stats["contribution_cov"])
+    rule = imp.least_squares(stats["contribution_cov"])
+    _, rescaled = imp.ablation(subject, sites, "loss", stats["mean_outputs"], rule)
     _, mean_only = imp.ablation(subject, sites, "loss", stats["mean_outputs"])
     assert rescaled["encoder.1.self_attn"][1] == pytest.approx(0.0, abs=1e-5)
     assert abs(mean_only["encoder.1.self_attn"][1]) > 1e-4  # without the rescaling, half the output goes
 
 
-@pytest.mark.parametrize("rescale", [False, True])
+def test_renormalised_gates_scale_the_survivors_by_heads_over_kept():
+    torch.testing.assert_close(imp.renormalised("s", 4, [1]), torch.tensor([4 / 3, 0.0, 4 / 3, 4 / 3]))
+    torch.testing.assert_close(imp.renormalised("s", 4, []), torch.ones(4))
+    torch.testing.assert_close(imp.renormalised("s", 2, [0, 1]), torch.zeros(2))
+
+
+@pytest.mark.parametrize("gates", ["unchanged", "least-squares", "renormalised"])
 @pytest.mark.parametrize("n_kv_heads,remove", [(None, [1]), (2, [0]), (2, [0, 1]), (1, [1, 2])])
-def test_a_physically_pruned_model_equals_the_masked_one(n_kv_heads, remove, rescale):
+def test_a_physically_pruned_model_equals_the_masked_one(n_kv_heads, remove, gates):
     cfg = ModelConfig(d_model=32, n_heads=4, n_kv_heads=n_kv_heads, d_ff=32, n_encoder_layers=2, n_decoder_layers=2,
                       dropout=0.0, tie_embeddings="none")
     model = build_model(cfg, 30).eval()
@@ -183,13 +190,14 @@ def test_a_physically_pruned_model_equals_the_masked_one(n_kv_heads, remove, res
     heads = [(s, h) for s in ("encoder.1.self_attn", "decoder.0.cross_attn", "decoder.1.self_attn") for h in remove]
     fill = {site: torch.randn(4, 8) for site in sites}  # mean-ablation: a removed head outputs fill[h]
     root = {site: torch.randn(4, 4) for site in sites}
-    cov = {site: r @ r.T + 0.1 * torch.eye(4) for site, r in root.items()} if rescale else None
-    with torch.no_grad(), imp.masked(sites, heads, fill, cov):
+    cov = {site: r @ r.T + 0.1 * torch.eye(4) for site, r in root.items()}
+    rule = {"unchanged": None, "least-squares": imp.least_squares(cov), "renormalised": imp.renormalised}[gates]
+    with torch.no_grad(), imp.masked(sites, heads, fill, rule):
         expected = model(src, tgt)
     pruned_cfg = dataclasses.replace(cfg, pruned_heads=[f"{s}:{h}" for s, h in heads])
     assert pruned_cfg.problems() == []
     for site, hs in heads_by_site(pruned_cfg.pruned_heads).items():
-        gate = imp.rescaled_gate(cov[site], hs) if rescale else None
+        gate = None if rule is None else rule(site, 4, hs)
         sites[site].prune_heads(hs, fill[site], gate)
     reloaded = build_model(pruned_cfg, 30, init=False).eval()
     reloaded.load_state_dict(model.state_dict())  # shapes agree with what the recipe builds

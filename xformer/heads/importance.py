@@ -1,7 +1,8 @@
 """How much each attention head matters, three ways, and what removing heads costs.
 
 - ablation: mask one head (gate 0 on its output; or its mean output; or its mean output with the
-  site's other heads rescaled by least squares, `rescaled_gate`), re-measure the metric;
+  site's other heads rescaled by least squares, `least_squares`; or zero with the site's other
+  heads scaled by H / kept, `renormalised`, as DropHead trains them), re-measure the metric;
   importance is how much worse it gets (loss up, or BLEU / accuracy down);
 - gradient (Michel et al. 2019, arXiv:1905.10650, section 4.1): I_h = sum over batches of
   |dL/d xi_h| with gates xi = 1 on every head's output, then divided by the L2 norm of the
@@ -26,21 +27,24 @@ from xformer.heads.subject import Subject
 from xformer.sites import heads_by_site
 
 Head = tuple[str, int]  # (site, head index)
+# What the surviving heads of a site are multiplied by when some go: (site, H, removed) -> (H,)
+# gate, 0 on the removed heads. None everywhere below means keep_gate (survivors unchanged).
+GateRule = Callable[[str, int, list[int]], torch.Tensor]
 
 
 @contextmanager
-def masked(sites: dict, heads: list[Head], fill: dict | None = None, cov: dict | None = None):
+def masked(sites: dict, heads: list[Head], fill: dict | None = None, rule: GateRule | None = None):
     """Within the block the given heads are ablated: their output is zero, or with `fill`
-    (site -> (H, Dh) mean outputs) their mean output (mean-ablation). With `cov` as well
-    (site -> (H, H) contribution covariance, stats.collect) the surviving heads of each touched
-    site are also rescaled by least squares to stand in for the removed ones (`rescaled_gate`)."""
+    (site -> (H, Dh) mean outputs) their mean output (mean-ablation). With a gate `rule`
+    (`least_squares`, `renormalised`) the surviving heads of each touched site are also scaled
+    to stand in for the removed ones."""
     removed: dict[str, list[int]] = {}
     for site, h in heads:
         removed.setdefault(site, []).append(h)
     for site, hs in removed.items():
         module = sites[site]
         device = module.q_proj.weight.device
-        gate = keep_gate(module.n_heads, hs) if cov is None else rescaled_gate(cov[site], hs)
+        gate = keep_gate(module.n_heads, hs) if rule is None else rule(site, module.n_heads, hs)
         module.head_gate = gate.to(device)
         module.head_fill = None if fill is None else fill[site].to(device)
     try:
@@ -55,6 +59,19 @@ def keep_gate(n_heads: int, removed: list[int]) -> torch.Tensor:
     gate = torch.ones(n_heads)
     gate[list(removed)] = 0.0
     return gate
+
+
+def least_squares(cov: dict[str, torch.Tensor]) -> GateRule:
+    """The rule that rescales survivors by `rescaled_gate` from each site's contribution
+    covariance (site -> (H, H), stats.collect)."""
+    return lambda site, n_heads, removed: rescaled_gate(cov[site], removed)
+
+
+def renormalised(site: str, n_heads: int, removed: list[int]) -> torch.Tensor:
+    """Gate H / kept on the survivors, 0 on the removed: what a model trained with DropHead
+    (model.head_dropout, MultiHeadAttention) saw whenever it lost these heads."""
+    gate = keep_gate(n_heads, removed)
+    return gate * (n_heads / max(float(gate.sum()), 1.0))
 
 
 def rescaled_gate(cov: torch.Tensor, removed: list[int], ridge: float = 1e-6) -> torch.Tensor:
@@ -78,7 +95,7 @@ def rescaled_gate(cov: torch.Tensor, removed: list[int], ridge: float = 1e-6) ->
     return gate.float()
 
 
-def ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = None, cov: dict | None = None,
+def ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = None, rule: GateRule | None = None,
              on_head: Callable[[int, int], None] | None = None) -> tuple[float, dict[str, list[float]]]:
     """The metric with every head, and per site the change when each head alone is ablated
     (see `masked`), signed so that larger = more important."""
@@ -89,7 +106,7 @@ def ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = Non
     for site, module in sites.items():
         deltas = []
         for h in range(module.n_heads):
-            with masked(sites, [(site, h)], fill, cov):
+            with masked(sites, [(site, h)], fill, rule):
                 deltas.append(sign * (subject.score(metric) - base))
             done += 1
             if on_head:
@@ -99,7 +116,7 @@ def ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = Non
 
 
 def group_ablation(subject: Subject, sites: dict, metric: str, fill: dict | None = None,
-                   cov: dict | None = None) -> dict[str, list[float]]:
+                   rule: GateRule | None = None) -> dict[str, list[float]]:
     """For GQA/MQA sites: the change when all query heads of one key/value group are masked."""
     sign = 1.0 if metric == "loss" else -1.0
     base = subject.score(metric)
@@ -110,7 +127,7 @@ def group_ablation(subject: Subject, sites: dict, metric: str, fill: dict | None
         group = module.n_heads // module.n_kv_heads
         deltas = []
         for g in range(module.n_kv_heads):
-            with masked(sites, [(site, h) for h in range(g * group, (g + 1) * group)], fill, cov):
+            with masked(sites, [(site, h) for h in range(g * group, (g + 1) * group)], fill, rule):
                 deltas.append(sign * (subject.score(metric) - base))
         out[site] = deltas
     return out
@@ -180,7 +197,7 @@ def one_shot_order(importance: dict[str, list[float]]) -> list[Head]:
 
 
 def greedy_order(subject: Subject, sites: dict, candidates: list[Head], metric: str, sizes: list[int],
-                 fill: dict | None = None, cov: dict | None = None,
+                 fill: dict | None = None, rule: GateRule | None = None,
                  on_round: Callable[[int, int], None] | None = None) -> list[Head]:
     """Removal order found greedily: in round r, with the heads removed so far still ablated,
     every remaining candidate is ablated in turn and the sizes[r] whose removal hurts `metric`
@@ -192,7 +209,7 @@ def greedy_order(subject: Subject, sites: dict, candidates: list[Head], metric: 
     for r, size in enumerate(sizes):
         costs = []
         for head in remaining:
-            with masked(sites, order + [head], fill, cov):
+            with masked(sites, order + [head], fill, rule):
                 costs.append(sign * subject.score(metric))
         ranked = [head for _, head in sorted(zip(costs, remaining, strict=True), key=lambda pair: pair[0])]
         order += ranked[:size]
@@ -203,14 +220,14 @@ def greedy_order(subject: Subject, sites: dict, candidates: list[Head], metric: 
 
 
 def prune_curve(sites: dict, order: list[Head], measure: Callable[[], float], fractions: list[float],
-                fill: dict | None = None, cov: dict | None = None,
+                fill: dict | None = None, rule: GateRule | None = None,
                 on_step: Callable[[int, int], None] | None = None) -> list[dict]:
     """Ablate the first round(fraction * len(order)) heads of `order` at each fraction and
     measure. Returns [{"fraction", "pruned", "heads", "metric"}]."""
     points = []
     for i, fraction in enumerate(fractions):
         heads = order[:round(fraction * len(order))]
-        with masked(sites, heads, fill, cov):
+        with masked(sites, heads, fill, rule):
             value = measure()
         points.append({"fraction": fraction, "pruned": len(heads), "heads": [f"{s}:{h}" for s, h in heads],
                        "metric": value})

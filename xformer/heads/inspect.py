@@ -31,7 +31,7 @@ from xformer.model.build import attention_modules, build_model, count_parameters
 from xformer.sites import heads_by_site
 
 SPACE_FRACTIONS = [0.0, 0.25, 0.5, 0.75, 1.0]
-ABLATIONS = ("zero", "mean", "rescale")
+ABLATIONS = ("zero", "mean", "rescale", "renorm")
 Event = Callable[[str, dict], None]
 
 
@@ -54,6 +54,8 @@ def inspect_heads(
     importance.greedy_order).
     `ablate` "rescale": mean-ablation plus a least-squares rescaling of each touched site's surviving
     heads (importance.rescaled_gate; statistics from `split`), also folded into the saved model.
+    `ablate` "renorm": zero, with each touched site's surviving heads scaled by H / kept
+    (importance.renormalised), as a model trained with DropHead (model.head_dropout) saw it.
     `prune_step`: the whole-model curve's spacing, as a fraction of all heads."""
     if ablate not in ABLATIONS:
         raise RunError(f"--ablate {ablate}: expected {', '.join(ABLATIONS)}")
@@ -82,11 +84,12 @@ def inspect_heads(
     emit("phase", {"name": "attention statistics", "total": len(subject.batches)})
     stats = collect(subject, sites, contributions=ablate == "rescale")
     fill = stats["mean_outputs"] if ablate in ("mean", "rescale") else None
-    cov = stats["contribution_cov"] if ablate == "rescale" else None
+    rule = {"rescale": lambda: imp.least_squares(stats["contribution_cov"]),
+            "renorm": lambda: imp.renormalised}.get(ablate, lambda: None)()
     emit("phase", {"name": f"{ablate}-ablation ({importance})", "total": sum(m.n_heads for m in sites.values())})
-    base, ablation = imp.ablation(subject, sites, importance, fill, cov,
+    base, ablation = imp.ablation(subject, sites, importance, fill, rule,
                                   on_head=lambda done, total: emit("advance", {"done": done}))
-    groups = imp.group_ablation(subject, sites, importance, fill, cov)
+    groups = imp.group_ablation(subject, sites, importance, fill, rule)
     emit("phase", {"name": "gradient importance", "total": 1})
     raw_gradient = imp.gate_gradients(subject, sites)
     gradient = imp.normalise_per_layer(raw_gradient)
@@ -114,13 +117,13 @@ def inspect_heads(
     if prune:
         held_out, held_out_name = _held_out(subject, prune_split)  # loaded once: curve and saved model
         ranking = gradient if prune_order == "gradient" else ablation
-        report["pruning"] = _pruning(subject, sites, ranking, fill, cov, prune_order, importance, held_out,
+        report["pruning"] = _pruning(subject, sites, ranking, fill, rule, prune_order, importance, held_out,
                                      held_out_name, max_drop, prune_fractions(prune_step), emit)
         if save_pruned is not None and not report["pruning"]["largest_within_max_drop"]["pruned"]:
             report["pruned_model"] = {"path": None, "reason": f"no pruning step stays within --max-drop {max_drop:g}; "
                                                               "nothing saved"}
         elif save_pruned is not None:
-            report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, cov, report["pruning"],
+            report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, rule, report["pruning"],
                                                   held_out, Path(save_pruned), checkpoint)
     report["seconds"] = time.perf_counter() - started
     emit("phase", {"name": "report", "total": 1})
@@ -131,8 +134,9 @@ def inspect_heads(
     return report
 
 
-def _pruning(subject: Subject, sites: dict, ranking: dict, fill: dict | None, cov: dict | None, prune_order: str,
-             importance: str, held_out, name: str, max_drop: float, fractions: list[float], emit: Event) -> dict:
+def _pruning(subject: Subject, sites: dict, ranking: dict, fill: dict | None, rule: imp.GateRule | None,
+             prune_order: str, importance: str, held_out, name: str, max_drop: float, fractions: list[float],
+             emit: Event) -> dict:
     """Curves of the held-out metric as heads go, least important first by `ranking` (ablation
     or gradient importance, once; or greedy re-ranking on the analysis split): over the whole
     model, and within each space (encoder self, decoder self, cross)."""
@@ -161,19 +165,19 @@ def _pruning(subject: Subject, sites: dict, ranking: dict, fill: dict | None, co
             return heads
         sizes = imp.round_sizes(len(heads), points)
         emit("phase", {"name": f"greedy pruning order ({importance})", "total": len(sizes)})
-        found = imp.greedy_order(subject, sites, heads, importance, sizes, fill, cov,
+        found = imp.greedy_order(subject, sites, heads, importance, sizes, fill, rule,
                                  on_round=lambda done, total: emit("advance", {"done": done}))
         emit("phase", {"name": f"pruning curve ({metric} on {name})", "total": total})
         emit("advance", {"done": done})
         return found
 
-    overall = imp.prune_curve(sites, order(ranking, fractions), measure, fractions, fill, cov, on_step=tick)
+    overall = imp.prune_curve(sites, order(ranking, fractions), measure, fractions, fill, rule, on_step=tick)
     base = overall[0]["metric"]
     by_space = {}
     for space in spaces:  # only this space's heads, least important first
         within_space = {s: v for s, v in ranking.items() if site_space(s) == space}
         space_order = order(within_space, SPACE_FRACTIONS)
-        curve = imp.prune_curve(sites, space_order, measure, SPACE_FRACTIONS[1:], fill, cov, on_step=tick)
+        curve = imp.prune_curve(sites, space_order, measure, SPACE_FRACTIONS[1:], fill, rule, on_step=tick)
         by_space[space] = [{"fraction": 0.0, "pruned": 0, "heads": [], "metric": base}] + curve
     within = [p for p in overall if base - p["metric"] <= max_drop]
     best = max(within, key=lambda p: p["pruned"])
@@ -209,8 +213,8 @@ def _held_out(subject: Subject, prune_split: str | None):
     return (subject.tokenizer.encode(list(raw[d.source_lang]), "source"), list(raw[d.target_lang])), name
 
 
-def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, fill: dict | None, cov: dict | None,
-                 pruning: dict, held_out, target: Path, checkpoint: str | None) -> dict:
+def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, fill: dict | None,
+                 rule: imp.GateRule | None, pruning: dict, held_out, target: Path, checkpoint: str | None) -> dict:
     """A new run directory holding the model with the heads of the largest pruning step within
     max_drop removed: recipe.toml (model.pruned_heads), tokenizer/, checkpoints/<name>."""
     recipe = subject.recipe
@@ -232,7 +236,7 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
     model = subject.model
     pruned = copy.deepcopy(model)
     for site, hs in heads_by_site(entries).items():
-        gate = None if cov is None else imp.rescaled_gate(cov[site], hs)
+        gate = None if rule is None else rule(site, sites[site].n_heads, hs)
         attention_modules(pruned)[site].prune_heads(hs, None if fill is None else fill[site], gate)
     vocab = dict(vocab_size=model.encoder.embed.embedding.num_embeddings, pad_id=PAD_ID, init=False)
     if subject.kind == "translation":
@@ -269,7 +273,8 @@ def _criteria() -> dict:
                           f"below {stats.CLUSTER_MAX_JS}",
             "importance": "ablation: metric change with the head's output replaced by zero or by its mean output, "
                           "or by its mean output with the site's other heads rescaled by least squares to "
-                          "reconstruct the site's output (Kwon et al. 2022's mask tuning in closed form) "
+                          "reconstruct the site's output (Kwon et al. 2022's mask tuning in closed form), "
+                          "or by zero with the site's other heads scaled by H / kept (DropHead's training view) "
                           "(--ablate; larger = more important); gradient: "
                           "Michel et al. 2019 |dL/dgate| summed over batches, L2-normalised per layer; "
                           "confidence: mean max weight (Voita et al. 2019)"}
