@@ -12,7 +12,8 @@
 # IMPORTANCE (default loss) the ablation metric that ranks heads (bleu: greedy decoding);
 # N_PRUNE (default 500) the validation sentences that rank heads for pruning (1014 = all);
 # PRUNE_STEP (default 0.1) the curve's spacing as a fraction of all heads; ABLATE (default zero)
-# what a removed head leaves: zero, mean or rescale (mean + least-squares rescaled survivors).
+# what a removed head leaves: zero, mean, rescale (mean + least-squares rescaled survivors) or
+# renorm (zero, survivors scaled by H / kept: what a DropHead-trained model, model.head_dropout, saw).
 set -euo pipefail
 RUN=${1:?usage: benchmarks/heads.sh RUN [OUT] [PRUNE_ORDER]}
 OUT=${2:-$RUN/heads}
