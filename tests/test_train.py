@@ -63,12 +63,12 @@ def test_training_writes_a_complete_run_and_loss_falls(trained):
     assert {"bleu", "chrf", "ppl"} <= set(valid[0])
 
 
-@pytest.mark.parametrize("sampling", [["data.sampling_alpha=0.0"], ["data.sampling_alpha=0.3"]],
-                         ids=["one-best", "sampled"])
-def test_resume_equals_uninterrupted(corpus, tmp_path, sampling):
-    extra = ["model.dropout=0.3", "train.max_steps=20", *sampling]
+@pytest.mark.parametrize("variant", [["data.sampling_alpha=0.0"], ["data.sampling_alpha=0.3"],
+                                     ["model.head_dropout=0.3"]], ids=["one-best", "sampled", "drophead"])
+def test_resume_equals_uninterrupted(corpus, tmp_path, variant):
+    extra = ["model.dropout=0.3", "train.max_steps=20", *variant]
     straight = run(tiny_recipe(corpus, *extra), tmp_path / "a", device="cpu")
-    run(tiny_recipe(corpus, "model.dropout=0.3", "train.max_steps=10", *sampling), tmp_path / "b", device="cpu")
+    run(tiny_recipe(corpus, "model.dropout=0.3", "train.max_steps=10", *variant), tmp_path / "b", device="cpu")
     resumed = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", resume=True)
     assert resumed.steps == straight.steps == 20
     a, _ = read_checkpoint(tmp_path / "a" / "checkpoints" / "last.safetensors")
