@@ -299,15 +299,16 @@ def translation_run(tmp_path_factory, shared_dir):
     return run
 
 
-def test_cli_inspects_prunes_and_saves_a_translation_model(translation_run, tmp_path):
+@pytest.mark.parametrize("ablate", ["rescale", "renorm"])
+def test_cli_inspects_prunes_and_saves_a_translation_model(translation_run, tmp_path, ablate):
     out, pruned = tmp_path / "heads", tmp_path / "pruned"
     result = invoke("inspect-heads", translation_run, "--out", out, "--n-examples", 20, "--save-pruned", pruned,
                     "--max-drop", 100, "--checkpoint", "last", "--prune-step", 0.25,
-                    "--ablate", "rescale")
+                    "--ablate", ablate)
     assert result.exit_code == 0, result.output
     report = json.loads((out / "heads.json").read_text())
     assert {h["space"] for h in report["heads"]} == {"encoder", "decoder", "cross"}
-    assert len(report["heads"]) == 2 * 2 + 2 + 2 and report["ablate"] == "rescale"
+    assert len(report["heads"]) == 2 * 2 + 2 + 2 and report["ablate"] == ablate
     curve = report["pruning"]["overall"]
     assert [p["pruned"] for p in curve] == [0, 2, 4, 6]  # --prune-step 0.25 of 8 heads
     assert set(report["pruning"]["by_space"]) == {"encoder", "decoder", "cross"}

@@ -84,8 +84,11 @@ def inspect_heads(
     emit("phase", {"name": "attention statistics", "total": len(subject.batches)})
     stats = collect(subject, sites, contributions=ablate == "rescale")
     fill = stats["mean_outputs"] if ablate in ("mean", "rescale") else None
-    rule = {"rescale": lambda: imp.least_squares(stats["contribution_cov"]),
-            "renorm": lambda: imp.renormalised}.get(ablate, lambda: None)()
+    rule = None  # survivors unchanged ("zero", "mean")
+    if ablate == "rescale":
+        rule = imp.least_squares(stats["contribution_cov"])
+    elif ablate == "renorm":
+        rule = imp.renormalised
     emit("phase", {"name": f"{ablate}-ablation ({importance})", "total": sum(m.n_heads for m in sites.values())})
     base, ablation = imp.ablation(subject, sites, importance, fill, rule,
                                   on_head=lambda done, total: emit("advance", {"done": done}))
