@@ -161,3 +161,17 @@ def test_head_dropout_drops_whole_heads_per_example_and_rescales_the_rest(backen
     torch.testing.assert_close(dropped, expected)
     assert abs((~kept).float().mean().item() - p) < 0.02
     assert kept.any(0).all() and (~kept).any(0).all()  # every head is dropped in some examples only
+
+
+def test_sdpa_in_bf16_on_the_cpu_runs_in_fp32_and_returns_bf16():
+    # torch's bf16 CPU flash kernel is slow backward; the fp32 kernel's result, rounded once
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(B, H, T, 8).bfloat16().requires_grad_() for _ in range(3))
+    mask = padding_mask(random_pad(B, T, [5, 3, 1]))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = sdpa_attention(q, k, v, mask)
+    expected = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected.bfloat16(), rtol=0, atol=0)
+    out.float().sum().backward()
+    assert all(t.grad is not None and t.grad.dtype == torch.bfloat16 for t in (q, k, v))
