@@ -1,7 +1,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
+from xformer.config import ModelConfig
+from xformer.model.build import build_model
 from xformer.model.dropout import Dropout, dropout, keep_mask
 
 
@@ -61,3 +64,13 @@ def test_identity_in_eval_mode_at_p_zero_and_all_dropped_at_p_one():
     assert module(x) is x
     assert dropout(x, 0.0) is x
     assert torch.count_nonzero(dropout(x, 1.0)) == 0
+
+
+@pytest.mark.parametrize("arch", ["seq2seq", "classifier", "lstm"])
+def test_every_dropout_of_a_built_model_is_the_fast_one(arch):
+    extra = {"pooling": "mean"} if arch != "seq2seq" else {}
+    cfg = ModelConfig(arch=arch, d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1,
+                      dropout=0.1, activation_dropout=0.1, **extra)
+    model = build_model(cfg, 20, n_classes=None if arch == "seq2seq" else 3)
+    drops = [m for m in model.modules() if isinstance(m, nn.Dropout)]
+    assert drops and all(type(m) is Dropout for m in drops)
