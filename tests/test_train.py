@@ -63,8 +63,10 @@ def test_training_writes_a_complete_run_and_loss_falls(trained):
     assert {"bleu", "chrf", "ppl"} <= set(valid[0])
 
 
-@pytest.mark.parametrize("variant", [["data.sampling_alpha=0.0"], ["data.sampling_alpha=0.3"],
-                                     ["model.head_dropout=0.3"]], ids=["one-best", "sampled", "drophead"])
+@pytest.mark.parametrize("variant", [["data.sampling_alpha=0.0", 'train.precision="fp32"'],
+                                     ["data.sampling_alpha=0.3", 'train.precision="bf16"'],
+                                     ["model.head_dropout=0.3", 'train.precision="fp32"']],
+                         ids=["one-best-fp32", "sampled-bf16", "drophead-fp32"])
 def test_resume_equals_uninterrupted(corpus, tmp_path, variant):
     extra = ["model.dropout=0.3", "train.max_steps=20", *variant]
     straight = run(tiny_recipe(corpus, *extra), tmp_path / "a", device="cpu")
