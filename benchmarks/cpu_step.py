@@ -33,12 +33,12 @@ from xformer.recipe_io import load_recipe
 from xformer.runtime import resolve_runtime
 
 
-def seconds_per_step(recipe, job, batches, precision: str, warmup: int) -> float:
+def training_step(recipe, job, precision: str):
+    """A fresh model and optimizer, and the trainer's step over them (train.run's inner loop)."""
     rt = resolve_runtime("cpu", precision)
     torch.manual_seed(recipe.train.seed)
-    model = job.build_model()
+    model = job.build_model().train()
     optimizer = build_optimizer(model, recipe.train)
-    model.train()
 
     def step(batch):
         loss = job.loss(model, batch, rt)
@@ -46,6 +46,11 @@ def seconds_per_step(recipe, job, batches, precision: str, warmup: int) -> float
         rt.step(optimizer, model, recipe.train.clip_norm)
         optimizer.zero_grad(set_to_none=True)
 
+    return step
+
+
+def seconds_per_step(recipe, job, batches, precision: str, warmup: int) -> float:
+    step = training_step(recipe, job, precision)
     for batch in batches[:warmup]:
         step(batch)
     start = time.perf_counter()
@@ -105,14 +110,12 @@ def main() -> None:
           f"({results['sdpa_ms_bf16'] / results['sdpa_ms_fp32']:.1f}x)", flush=True)
     print(f"bf16 step / fp32 step: {results['step_s_bf16'] / results['step_s_fp32']:.2f}")
 
-    rt = resolve_runtime("cpu", "bf16")
-    model = job.build_model().train()
-    optimizer = build_optimizer(model, recipe.train)
+    step = training_step(recipe, job, "bf16")
+    for batch in batches[: args.warmup]:
+        step(batch)
     with torch.profiler.profile() as prof:
-        for batch in batches[: args.warmup]:
-            (job.loss(model, batch, rt) / job.units(batch)).backward()
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
+        for batch in batches[args.warmup: 2 * args.warmup]:
+            step(batch)
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=12))
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2))

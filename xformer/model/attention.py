@@ -67,11 +67,7 @@ def sdpa_attention(
         # de->en recipe: 22% of a bf16-autocast step), and attention is a small share of the
         # FLOPs at these lengths: it runs in fp32 and only its output returns to bf16.
         with torch.autocast("cpu", enabled=False):
-            out = F.scaled_dot_product_attention(
-                q.float(), k.float(), v.float(), attn_mask=mask, dropout_p=dropout if training else 0.0,
-                is_causal=is_causal,
-            )
-        return out.to(q.dtype)
+            return sdpa_attention(q.float(), k.float(), v.float(), mask, is_causal, dropout, training).to(q.dtype)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout if training else 0.0, is_causal=is_causal
     )
