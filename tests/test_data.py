@@ -314,7 +314,7 @@ def test_sampled_batches_resegment_the_same_text_reproducibly_per_epoch(joint, s
     assert sorted(joint.decode(sources, "source")) == sorted(joint.decode(best, "source"))
     assert len(set(sources) - {tuple(ids) for ids in best}) > 100  # most were re-segmented
     again = SampledBatchIterator(rows, joint, "de", "en", 512, seed=3, alpha=0.2, nbest=-1, max_len=256)
-    joint.sample(["Ein Hund."], "source", alpha=0.2, nbest=-1, seed=99)  # other sampling in between
+    joint.sampler(["Ein Hund."], "source", alpha=0.2).sample(np.random.default_rng(99))  # other sampling between
     rest = list(again.iter_epoch(0, skip=2))
     assert all(torch.equal(a["src"], b["src"]) and torch.equal(a["tgt_out"], b["tgt_out"])
                for a, b in zip(rest, epoch0[2:], strict=True))

@@ -29,6 +29,7 @@ import datasets
 import numpy as np
 import sentencepiece as spm
 
+from xformer.data.sampling import UnigramSampler
 from xformer.errors import DataError
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
@@ -86,16 +87,11 @@ class Tokenizer:
         A missing text (None, a null in JSON) encodes as empty."""
         return self._model(side).encode([t or "" for t in texts], out_type=int)
 
-    def sample(self, texts: Sequence[str | None], side: Side, *, alpha: float, nbest: int,
-               seed: int) -> list[list[int]]:
-        """encode() with sampled segmentations (subword regularization, Kudo 2018,
-        arXiv:1804.10959; BPE-dropout for a BPE model, arXiv:1910.13267), reproducible from
-        `seed`. Sentencepiece keeps one generator per thread, seeded from a process-wide
-        seed, so this seeds it and samples on the calling thread alone: more threads would
-        share the texts out differently from call to call."""
-        spm.set_random_generator_seed(seed)
-        return self._model(side).encode([t or "" for t in texts], out_type=int, enable_sampling=True,
-                                        alpha=alpha, nbest_size=nbest, num_threads=1)
+    def sampler(self, texts: Sequence[str | None], side: Side, *, alpha: float, nbest: int = -1) -> UnigramSampler:
+        """Sampled segmentations of `texts` (subword regularization, Kudo 2018, arXiv:1804.10959),
+        drawn with numpy generators, so a seed gives the same pieces in every process; see
+        xformer.data.sampling for why not sentencepiece's own sampler. Unigram models only."""
+        return UnigramSampler(self._model(side), texts, alpha=alpha, nbest=nbest)
 
     def pieces(self, texts: Sequence[str | None], side: Side) -> list[list[str]]:
         """The pieces themselves ('▁Ein', '▁Hund', ...), for looking at what encode does."""
