@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
-from rich.table import Table
+from rich.table import Column, Table
 
 TOTAL = 1000  # the bar counts thousandths of the run (steps, epochs or minutes, whichever ends it first)
 
@@ -15,11 +15,15 @@ class TrainDisplay:
 
     def __init__(self, console: Console | None = None):
         self.console = console or Console(stderr=True)
+        # Times come first and the bar is short, so a narrow (80-column) terminal cuts the
+        # statistics at the end rather than the elapsed time and ETA.
         self.progress = Progress(
-            TextColumn("[bold]train[/bold]"), BarColumn(), TaskProgressColumn(),
+            TextColumn("[bold]train[/bold]"), BarColumn(bar_width=16), TaskProgressColumn(),
+            TimeElapsedColumn(table_column=Column(min_width=7, no_wrap=True)), TextColumn("ETA"),
+            TimeRemainingColumn(table_column=Column(min_width=7, no_wrap=True)),
             TextColumn("step {task.fields[step]} ep {task.fields[epoch]} loss {task.fields[loss]} "
-                       "lr {task.fields[lr]} {task.fields[tps]} tok/s"),
-            TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+                       "lr {task.fields[lr]} {task.fields[tps]} tok/s",
+                       table_column=Column(no_wrap=True, overflow="ellipsis", ratio=1)),
             console=self.console, transient=False,
         )
         self.task = None
@@ -32,7 +36,9 @@ class TrainDisplay:
 
     def __call__(self, kind: str, payload: dict) -> None:
         if kind == "setup":
-            self.progress.console.print(f"[dim]{payload['message']}[/dim]")
+            self.progress.console.print(payload["message"], style="dim", markup=False)
+        elif kind == "warning":
+            self.progress.console.print(payload["message"], style="bold yellow", markup=False)
         elif kind == "start":
             self.progress.start()
             self.task = self.progress.add_task("train", total=TOTAL, step=0, epoch=1, loss="-", lr="-", tps="-")

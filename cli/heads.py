@@ -92,8 +92,10 @@ def inspect_heads_command(
 def heads_table(report: dict) -> Table:
     table = Table(title=f"attention heads by {report['ablate']}-ablation importance ({report['importance_metric']}, "
                         f"{report['n_examples']} examples)", header_style="bold")
-    for column in ("attention", "head", "ablation", "gradient", "confidence", "entropy", "special", "roles"):
-        table.add_column(column, justify="left" if column in ("attention", "roles") else "right", no_wrap=True)
+    for column in ("attention", "head", "ablation", "gradient", "confidence", "entropy", "special"):
+        table.add_column(column, justify="left" if column == "attention" else "right", no_wrap=True,
+                         min_width=len(column))  # an 80-column terminal keeps every header whole
+    table.add_column("roles", overflow="fold", ratio=1)  # the one column that wraps
     for h in sorted(report["heads"], key=lambda h: -h["ablation"]):
         table.add_row(f"{h['space']} L{h['layer']}", str(h["head"]), f"{h['ablation']:+.4f}", f"{h['gradient']:.3f}",
                       f"{h['confidence']:.2f}", f"{h['entropy']:.2f}", f"{h['special']:.2f}", ", ".join(h["roles"]))

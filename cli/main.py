@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import typer
+from typer.core import TyperArgument, TyperCommand
 
 import xformer
 from xformer_cli.average import average
@@ -14,12 +15,28 @@ from xformer_cli.longrange import longrange
 from xformer_cli.tokenize import tokenize
 from xformer_cli.train import train
 
+
+class Command(TyperCommand):
+    """Usage lines as `xformer eval [OPTIONS] RUN` (typer writes a required argument {run})."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = (param.metavar or param.name).upper()
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
+
+
+# rich_markup_mode=None: help strings are plain text, so "[default: runs/<name>]" and "[data]"
+# print as written instead of being taken for rich markup tags and dropped.
 app = typer.Typer(
     name="xformer",
     help="Train, evaluate and take apart Transformer models.",
     no_args_is_help=True,
     add_completion=False,
     pretty_exceptions_enable=False,
+    rich_markup_mode=None,
 )
 
 
@@ -41,11 +58,11 @@ def main(
     datasets.disable_progress_bars()  # our own progress display reports the long steps
 
 
-app.command("check")(check)
-app.command("tokenize")(tokenize)
-app.command("train")(train)
-app.command("eval")(evaluate)
-app.command("translate")(translate)
-app.command("longrange")(longrange)
-app.command("inspect-heads")(inspect_heads_command)
-app.command("average")(average)
+app.command("check", cls=Command)(check)
+app.command("tokenize", cls=Command)(tokenize)
+app.command("train", cls=Command)(train)
+app.command("eval", cls=Command)(evaluate)
+app.command("translate", cls=Command)(translate)
+app.command("longrange", cls=Command)(longrange)
+app.command("inspect-heads", cls=Command)(inspect_heads_command)
+app.command("average", cls=Command)(average)

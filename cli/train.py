@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shlex
 from pathlib import Path
 
 import typer
@@ -38,7 +39,7 @@ def train(
     cfg = load_recipe(recipe, sets)
     with TrainDisplay() as display:
         result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
-                     on_event=display)
+                     on_event=display, recipe_path=recipe)
     summary = {"run": result.run_dir, "steps": result.steps, "epochs": round(result.epochs, 2),
                "stopped by": result.stop_reason, "minutes": result.train_seconds / 60,
                "best step": (result.best or {}).get("step"),
@@ -50,6 +51,8 @@ def train(
     else:
         Console().print(score_table("training", summary))
     if result.stop_reason == "interrupted":
-        typer.echo(f"interrupted at step {result.steps}; continue with: xformer train {recipe} "
-                   f"--out {result.run_dir} --resume", err=True)
+        # the run's own recipe.toml holds every --set and limit it was started with
+        run_dir = shlex.quote(result.run_dir)
+        typer.echo(f"interrupted at step {result.steps}; continue with: xformer train {run_dir}/recipe.toml "
+                   f"--out {run_dir} --resume", err=True)
         raise typer.Exit(130)

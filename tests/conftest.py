@@ -32,3 +32,13 @@ def _datasets_cache(tmp_path_factory):
         patch.setattr(datasets.config, "HF_DATASETS_CACHE", str(tmp_path_factory.mktemp("hf-cache")))
         datasets.disable_progress_bars()
         yield
+
+
+@pytest.fixture(scope="session")
+def corpus(tmp_path_factory, shared_dir) -> Path:
+    """600 train / 40 validation / 40 test pairs of Multi30k as a local JSONL folder."""
+    folder = tmp_path_factory.mktemp("m30k")
+    for name, n in (("train", 600), ("val", 40), ("test", 40)):
+        lines = (shared_dir / "data" / "multi30k" / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()[:n]
+        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return folder

@@ -39,3 +39,49 @@ def test_cuda_auto_precision_is_mixed():
     rt = resolve_runtime("auto", "auto")
     assert rt.device.type == "cuda" and rt.precision in ("bf16", "fp16")
     assert (rt.scaler is not None) == (rt.precision == "fp16")
+
+
+@pytest.fixture
+def cpu(monkeypatch):
+    """Pretend CPUs: which bf16 flags the hardware reports and what the matmul probe measures."""
+    from xformer import runtime
+
+    def pretend(flags, ratio=None):
+        runtime._cpu_bf16_cached.cache_clear()
+        monkeypatch.setattr(runtime, "_cpu_bf16_flags", lambda: list(flags))
+        if ratio is not None:
+            monkeypatch.setattr(runtime, "bf16_matmul_ratio", lambda: ratio)
+
+    yield pretend
+    runtime._cpu_bf16_cached.cache_clear()
+
+
+def test_auto_precision_on_the_cpu_is_bf16_only_where_bf16_is_native(cpu):
+    cpu([])  # AVX2 only: bf16 would be emulated
+    rt = resolve_runtime("cpu", "auto")
+    assert rt.precision == "fp32" and "no AMX or AVX512-BF16" in rt.reason and rt.warning is None
+    cpu(["amx_bf16"], ratio=0.3)  # AMX and oneDNN uses it
+    rt = resolve_runtime("cpu", "auto")
+    assert rt.precision == "bf16" and "amx_bf16" in rt.reason and "0.30x" in rt.reason
+    cpu(["amx_bf16"], ratio=40.0)  # AMX, but oneDNN held below it (ONEDNN_MAX_CPU_ISA=AVX2)
+    rt = resolve_runtime("cpu", "auto")
+    assert rt.precision == "fp32" and "40.0x the fp32 time" in rt.reason and "ONEDNN_MAX_CPU_ISA" in rt.reason
+    assert resolve_runtime("cpu", "auto", training=False).precision == "fp32"  # evaluation keeps fp32
+
+
+def test_asking_for_bf16_where_it_is_emulated_warns_with_the_measured_slowdown(cpu):
+    cpu([], ratio=37.0)
+    rt = resolve_runtime("cpu", "bf16")
+    assert rt.precision == "bf16" and rt.reason == "asked for"
+    assert "emulated" in rt.warning and "37x the fp32 time" in rt.warning
+    cpu(["avx512_bf16"], ratio=0.5)
+    assert resolve_runtime("cpu", "bf16").warning is None
+
+
+def test_the_probe_measures_a_real_matmul():
+    from xformer.runtime import bf16_matmul_ratio, cpu_bf16
+
+    ratio = bf16_matmul_ratio(n=64, repeats=2)
+    assert ratio > 0
+    native, why, _ = cpu_bf16()
+    assert isinstance(native, bool) and why

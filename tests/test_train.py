@@ -2,6 +2,8 @@
 core and through the CLI. Tiny models, a few dozen steps: seconds, not minutes."""
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,17 +24,6 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder
         "train.lr=3e-3", "train.log_every=5", "train.valid_every=10", "train.average_last=2",
         "train.max_time=0.0", "eval.beam=2", "eval.batch_sentences=16"]
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory, shared_dir) -> Path:
-    """600 train / 40 validation / 40 test pairs of Multi30k as a local JSONL folder."""
-    shared = shared_dir
-    folder = tmp_path_factory.mktemp("m30k")
-    for name, n in (("train", 600), ("val", 40), ("test", 40)):
-        lines = (shared / "data" / "multi30k" / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()[:n]
-        (folder / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
-    return folder
 
 
 def tiny_recipe(corpus, *extra):
@@ -80,6 +71,44 @@ def test_resume_equals_uninterrupted(corpus, tmp_path, variant):
         assert torch.equal(a[key], b[key]), key
     steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
     assert steps == sorted(steps)  # records after the checkpoint were dropped, not duplicated
+
+
+def xformer(*args: str) -> subprocess.CompletedProcess:
+    """The CLI in a process of its own, as a user runs it."""
+    return subprocess.run([sys.executable, "-c", "from xformer_cli.main import app; app()", *args],
+                          capture_output=True, text=True, timeout=300)
+
+
+def test_a_sampled_run_repeats_and_resumes_exactly_across_processes(corpus, tmp_path):
+    """Subword sampling is a function of (seed, epoch) in any process: a run stopped at step 10
+    and resumed by another process ends with the tensors of an uninterrupted run in a third
+    (sentencepiece's own sampler, salted per process, parted them by step 5)."""
+    sets = [arg for value in TINY + [f"data.dataset={json.dumps(str(corpus))}", "data.sampling_alpha=0.3",
+                                     "model.dropout=0.3"] for arg in ("--set", value)]
+    common = [str(RECIPE), *sets, "--precision", "fp32"]
+    straight = xformer("train", *common, "--max-steps", "20", "--out", str(tmp_path / "a"))
+    assert straight.returncode == 0, straight.stderr
+    first = xformer("train", *common, "--max-steps", "10", "--out", str(tmp_path / "b"))
+    assert first.returncode == 0, first.stderr
+    resumed = xformer("train", *common, "--max-steps", "20", "--out", str(tmp_path / "b"), "--resume")
+    assert resumed.returncode == 0, resumed.stderr
+    a, _ = read_checkpoint(tmp_path / "a" / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(tmp_path / "b" / "checkpoints" / "last.safetensors")
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+def test_the_precision_and_its_reason_are_recorded_and_logs_come_by_time(corpus, tmp_path):
+    """train.json says which precision "auto" chose and why; with a step interval no run
+    reaches, log_seconds still writes a line for every step that outlasts it."""
+    result = run(tiny_recipe(corpus, "train.max_steps=6", "train.log_every=1000", "train.log_seconds=1e-6"),
+                 tmp_path / "r", device="cpu")
+    summary = json.loads((tmp_path / "r" / "train.json").read_text())
+    assert summary["precision"] == result.precision and summary["precision_reason"].startswith("auto: ")
+    steps = [json.loads(line)["step"] for line in (tmp_path / "r" / "metrics.jsonl").read_text().splitlines()
+             if json.loads(line)["kind"] == "train"]
+    assert steps == [1, 2, 3, 4, 5, 6]
 
 
 def test_resume_refuses_a_different_model(corpus, trained):
@@ -173,25 +202,33 @@ def test_a_damaged_checkpoint_is_refused_not_unpickled(tmp_path):
         read_checkpoint(path)
 
 
-def test_ctrl_c_stops_at_a_step_boundary_and_resumes_exactly(corpus, tmp_path):
+@pytest.mark.parametrize(("signame", "at"), [("SIGINT", 4), ("SIGTERM", 6), ("SIGHUP", 6)],
+                         ids=["ctrl-c", "sigterm-on-a-validation-step", "sighup-on-a-validation-step"])
+def test_a_signal_stops_at_a_step_boundary_and_resumes_exactly(corpus, tmp_path, signame, at):
+    """Ctrl-C, kill and a closed terminal stop with a checkpoint; one that lands on a
+    validation step still validates and keeps that step's checkpoint, so the averaged model
+    at the end is the uninterrupted run's."""
     import os
     import signal
 
     extra = ["model.dropout=0.3", "train.max_steps=12", "train.valid_every=6"]
     straight = run(tiny_recipe(corpus, *extra), tmp_path / "a", device="cpu")
 
-    def interrupt_at_step_4(kind, payload):
-        if kind in ("tick", "step") and payload["step"] == 4:
-            os.kill(os.getpid(), signal.SIGINT)
+    def interrupt(kind, payload):
+        if kind in ("tick", "step") and payload["step"] == at:
+            os.kill(os.getpid(), getattr(signal, signame))
 
-    stopped = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", on_event=interrupt_at_step_4)
-    assert (stopped.stop_reason, stopped.steps) == ("interrupted", 4)
+    stopped = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", on_event=interrupt)
+    assert (stopped.stop_reason, stopped.steps) == ("interrupted", at)
     resumed = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", resume=True)
     assert resumed.steps == straight.steps == 12
-    a, _ = read_checkpoint(tmp_path / "a" / "checkpoints" / "last.safetensors")
-    b, _ = read_checkpoint(tmp_path / "b" / "checkpoints" / "last.safetensors")
-    for key in a:
-        assert torch.equal(a[key], b[key]), key
+    assert [r["step"] for r in resumed.history] == [r["step"] for r in straight.history] == [6, 12]
+    for name in ("last", "averaged"):
+        a, _ = read_checkpoint(tmp_path / "a" / "checkpoints" / f"{name}.safetensors")
+        b, _ = read_checkpoint(tmp_path / "b" / "checkpoints" / f"{name}.safetensors")
+        assert a.keys() == b.keys()
+        for key in a:
+            assert torch.equal(a[key], b[key]), (name, key)
 
 
 def test_resuming_a_finished_run_is_refused(trained, corpus):
@@ -202,7 +239,7 @@ def test_resuming_a_finished_run_is_refused(trained, corpus):
 
 def test_overwrite_only_replaces_run_directories(corpus, tmp_path):
     (tmp_path / "notes.txt").write_text("precious")
-    with pytest.raises(RunError, match="not a run directory"):
+    with pytest.raises(RunError, match="not an xformer run directory"):
         run(tiny_recipe(corpus, "train.max_steps=1"), tmp_path, device="cpu", overwrite=True)
     assert (tmp_path / "notes.txt").read_text() == "precious"
 

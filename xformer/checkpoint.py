@@ -160,7 +160,7 @@ def average_run(run_dir: str | Path, last: int, name: str | None = None) -> dict
         raise RunError(f"{target}: exists; choose another --name")
     chosen = steps[-last:]
     _, meta = read_checkpoint(chosen[-1])
-    kept = {k: v for k, v in meta.items() if k in ("recipe", "step")}
+    kept = {k: v for k, v in meta.items() if k in ("recipe", "step", "tokenizer")}
     write_tensors(target, average_checkpoints(chosen), {**kept, "averaged": [p.name for p in chosen]})
     return {"path": str(target), "averaged": [p.name for p in chosen], "steps": [int(p.stem[5:]) for p in chosen]}
 

@@ -22,6 +22,7 @@ from xformer.data.corpus import load_split
 from xformer.errors import RunError
 from xformer.model.build import build_model
 from xformer.recipe_io import load_run_recipe
+from xformer.rundir import check_tokenizer, eval_name
 from xformer.runtime import resolve_runtime
 from xformer.tokenize import tokenizer_dir
 
@@ -34,8 +35,9 @@ def load_classification_run(run_dir: str | Path, checkpoint: str, device: str = 
     recipe = load_run_recipe(run_dir)
     encoder, saved = TextEncoder.load(tokenizer_dir(run_dir))
     path = run_checkpoint(run_dir, checkpoint)
-    tensors, _ = read_checkpoint(path)
-    rt = resolve_runtime(device, precision)
+    tensors, meta = read_checkpoint(path)
+    check_tokenizer(Path(run_dir), path, meta)
+    rt = resolve_runtime(device, precision, training=False)
     labels = saved["labels"]
     model = build_model(recipe.model, encoder.vocab_size, n_classes=len(labels), pad_id=0, init=False)
     load_model_weights(model, tensors, path)
@@ -81,8 +83,8 @@ def split_examples(recipe: Recipe, encoder: TextEncoder, labels: list[str], spli
     spec = data if data is not None else d.dataset
     split = split or d.test_split
     config = d.dataset_config or None if data is None else None
-    raw = load_split(spec, split, [d.text_field, d.label_field], config)
-    name = split if data is None else (Path(data).stem if Path(data).is_file() else f"{Path(data).name}-{split}")
+    raw = load_split(spec, split, [d.text_field, d.label_field], config, complete=True, numeric=(d.label_field,))
+    name = eval_name(split, data, [raw[d.text_field], raw[d.label_field]])
     return encode_examples(raw, recipe, encoder, labels), name
 
 
@@ -106,5 +108,6 @@ def evaluate_classification_run(run_dir: str | Path, *, split: str | None = None
     report["predictions"] = str(out_dir / f"{stem}.pred")
     atomic_write_text(out_dir / f"{stem}.pred", "".join(labels[p] + "\n" for p in predicted))
     atomic_write_text(out_dir / f"{stem}.json", json.dumps(report, indent=2))
-    atomic_write_text(Path(run_dir) / "eval.json", json.dumps(report, indent=2))
+    if data is None and name == recipe.data.test_split:
+        atomic_write_text(Path(run_dir) / "eval.json", json.dumps(report, indent=2))  # the recipe's test split only
     return report

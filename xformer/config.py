@@ -191,11 +191,11 @@ class DataConfig:
     joint_vocab: bool = field(default=True, metadata=only_when("task", "translation"))
     character_coverage: float = field(default=1.0, metadata=only_when("task", *CORPUS_TASKS))
     byte_fallback: bool = field(default=False, metadata=only_when("task", *CORPUS_TASKS))
-    # Subword regularization (Kudo 2018, arXiv:1804.10959; BPE-dropout, Provilkov et al. 2020,
-    # arXiv:1910.13267): with sampling_alpha > 0 each training epoch re-encodes the training pairs
-    # with segmentations sentencepiece samples (unigram: the lattice's probabilities raised to
-    # alpha, over the sampling_nbest best, -1 = all; bpe: each merge dropped with probability
-    # alpha). Validation, eval and translate always use the single best segmentation.
+    # Subword regularization (Kudo 2018, arXiv:1804.10959): with sampling_alpha > 0 each training
+    # epoch re-segments the training pairs, sampled from the unigram lattice's probabilities raised
+    # to alpha, over the sampling_nbest best segmentations (-1 = all), reproducibly from
+    # (train.seed, epoch) in any process (xformer.data.sampling). Unigram tokenizers only.
+    # Validation, eval and translate always use the single best segmentation.
     sampling_alpha: float = field(default=0.0, metadata=only_when("task", "translation"))
     sampling_nbest: int = field(default=-1, metadata=only_when("task", "translation"))
     max_len: int = 256
@@ -219,6 +219,10 @@ class DataConfig:
         if not 0 <= self.sampling_alpha <= 1:
             out.append(f"data.sampling_alpha: expected a number in [0, 1] (0: no sampling), "
                        f"found {self.sampling_alpha}")
+        if self.sampling_alpha > 0 and self.tokenizer == "bpe":
+            out.append("data.sampling_alpha: subword sampling needs data.tokenizer = 'unigram', found 'bpe' "
+                       "(sentencepiece's BPE-dropout draws differ from process to process, so runs would not "
+                       "repeat); use a unigram tokenizer or sampling_alpha = 0")
         if self.sampling_nbest != -1 and self.sampling_nbest < 2:
             out.append(f"data.sampling_nbest: expected -1 (all segmentations) or at least 2, "
                        f"found {self.sampling_nbest}")
@@ -284,14 +288,17 @@ class TrainConfig:
     # for translation and accuracy for classification
     best_metric: BestMetric = "auto"
     average_last: int = 5  # checkpoints averaged into the "averaged" model
-    precision: Precision = "auto"  # auto: bf16 (or fp16) on CUDA, fp32 on CPU
+    # auto: bf16 (or fp16 + scaler) on CUDA; on the CPU bf16 where it multiplies bf16 natively
+    # (AMX, AVX512-BF16), else fp32 (xformer.runtime)
+    precision: Precision = "auto"
     log_every: int = 50
+    log_seconds: float = 30.0  # also log when this many seconds passed since the last line; 0: steps only
 
     def problems(self) -> list[str]:
         out = positive(self, "lr", "adam_eps", "accumulate_steps", "valid_every", "log_every")
         out += non_negative(
             self, "weight_decay", "warmup_steps", "clip_norm", "max_steps", "max_epochs",
-            "max_time", "patience", "average_last", "rdrop_alpha",
+            "max_time", "patience", "average_last", "rdrop_alpha", "log_seconds",
         )
         out += probability(self, "label_smoothing")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):

@@ -1,8 +1,10 @@
 """Evaluation: validation during training, and scoring a finished run (beam search, sacreBLEU).
 
 `evaluate_run` decodes a split of the recipe's corpus (or any JSONL file / folder with the
-recipe's language fields) with the chosen checkpoint, writes the hypotheses and `eval.json`
-(bleu, bleu_lc, chrf, signature, n_sentences, ...) and returns the same dict.
+recipe's language fields) with the chosen checkpoint, writes the hypotheses and scores (bleu,
+bleu_lc, chrf, signature, n_sentences, ...) to RUN/eval/<name>.*, named so that different
+inputs never share a file (rundir.eval_name), copies the scores of the recipe's test split to
+RUN/eval.json, and returns the same dict.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from xformer.model.build import build_model
 from xformer.model.transformer import Seq2Seq
 from xformer.optim import sequence_loss
 from xformer.recipe_io import load_run_recipe
+from xformer.rundir import check_tokenizer, eval_name
 from xformer.runtime import Runtime, resolve_runtime
 
 
@@ -97,8 +100,9 @@ def load_translation_run(run_dir: str | Path, checkpoint: str, device: str = "au
     recipe = load_run_recipe(run_dir)
     tokenizer = Tokenizer.load(run_dir / "tokenizer", recipe.data.source_lang, recipe.data.target_lang)
     path = run_checkpoint(run_dir, checkpoint)
-    tensors, _ = read_checkpoint(path)
-    rt = resolve_runtime(device, precision)
+    tensors, meta = read_checkpoint(path)
+    check_tokenizer(Path(run_dir), path, meta)
+    rt = resolve_runtime(device, precision, training=False)
     model = build_translation_model(recipe, tokenizer)
     load_model_weights(model, tensors, path)
     return recipe, tokenizer, model.to(rt.device).eval(), rt
@@ -123,7 +127,7 @@ def evaluate_run(
     spec = data if data is not None else d.dataset
     split = split or d.test_split
     config = d.dataset_config or None if data is None else None  # a Hub configuration names the recipe's corpus
-    raw = load_split(spec, split, [d.source_lang, d.target_lang], config)
+    raw = load_split(spec, split, [d.source_lang, d.target_lang], config, complete=True)
     sources = tokenizer.encode(list(raw[d.source_lang]), "source")
     beam = recipe.eval.beam if beam is None else beam
     lenpen = recipe.eval.lenpen if lenpen is None else lenpen
@@ -140,7 +144,7 @@ def evaluate_run(
                             "target")
     seconds = time.perf_counter() - started
     scores = translation_scores(hyps, list(raw[d.target_lang]))
-    name = split if data is None else (Path(data).stem if Path(data).is_file() else f"{Path(data).name}-{split}")
+    name = eval_name(split, data, [raw[d.source_lang], raw[d.target_lang]])
     out_dir = Path(run_dir) / "eval"
     stem = f"{name}.{checkpoint}.beam{beam}.lenpen{lenpen:g}"
     report = {**scores, "data": spec, "split": split if data is None else None, "checkpoint": checkpoint,
@@ -148,7 +152,8 @@ def evaluate_run(
               "sentences_per_s": len(hyps) / max(seconds, 1e-9), "hypotheses": str(out_dir / f"{stem}.hyp")}
     atomic_write_text(out_dir / f"{stem}.hyp", "".join(h + "\n" for h in hyps))
     atomic_write_text(out_dir / f"{stem}.json", json.dumps(report, indent=2))
-    atomic_write_text(Path(run_dir) / "eval.json", json.dumps(report, indent=2))
+    if data is None and split == d.test_split:  # RUN/eval.json: the recipe's own test split only
+        atomic_write_text(Path(run_dir) / "eval.json", json.dumps(report, indent=2))
     return report
 
 

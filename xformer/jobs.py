@@ -77,16 +77,19 @@ def make_job(recipe: Recipe):
     return ClassificationJob(recipe) if recipe.data.is_classification else TranslationJob(recipe)
 
 
-def load_training_splits(recipe: Recipe, fields: list[str], emit: Event):
+def load_training_splits(recipe: Recipe, fields: list[str], emit: Event, numeric: tuple[str, ...] | None = None):
     """The raw train and validation splits of a corpus, with `fields`; a single file cannot be
-    both (it would validate on the training data)."""
+    both (it would validate on the training data). With `numeric` (classification: the label
+    field), every row must hold every field (load_split's `complete`)."""
     d = recipe.data
     if Path(d.dataset).expanduser().is_file():
         raise DataError(f"data.dataset: {d.dataset} is a single file; training needs a folder or Hub id with "
                         f"'{d.train_split}' and '{d.valid_split}' splits")
     emit("setup", {"message": f"loading {d.dataset} ({d.train_split}, {d.valid_split})"})
     config = d.dataset_config or None
-    return load_split(d.dataset, d.train_split, fields, config), load_split(d.dataset, d.valid_split, fields, config)
+    strict = {} if numeric is None else {"complete": True, "numeric": numeric}
+    return (load_split(d.dataset, d.train_split, fields, config, **strict),
+            load_split(d.dataset, d.valid_split, fields, config, **strict))
 
 
 class TranslationJob:
@@ -157,7 +160,8 @@ class ClassificationJob:
             self.generated = generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed,
                                       d.n_queries, d.n_pairs)
             return
-        self.train_raw, self.valid_raw = load_training_splits(self.recipe, [d.text_field, d.label_field], emit)
+        self.train_raw, self.valid_raw = load_training_splits(self.recipe, [d.text_field, d.label_field], emit,
+                                                              numeric=(d.label_field,))
 
     def prepare(self, run_dir: Path, emit: Event) -> None:
         d = self.recipe.data

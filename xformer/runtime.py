@@ -1,17 +1,23 @@
 """Device and precision: autocast, the fp16 gradient scaler, RNG state for exact resume.
 
 precision "auto" is bf16 on a CUDA GPU that supports it, fp16 with a dynamic gradient scaler on
-one that does not, and fp32 on the CPU. bf16 on the CPU is allowed when asked for explicitly
-(CPUs with AMX or AVX512-BF16 run it faster than fp32); fp16 on the CPU is refused.
+one that does not; on the CPU it is bf16 only where the CPU multiplies bf16 natively (AMX or
+AVX512-BF16, confirmed by a ~100 ms matmul probe, since ONEDNN_MAX_CPU_ISA can keep oneDNN
+off them), else fp32: elsewhere bf16 autocast is emulated and matmuls run 30-50x slower than
+fp32 (measured on a 2-core AVX2 EPYC). bf16 asked for explicitly on such a CPU runs, with a
+warning that gives the measured slowdown. Evaluation on the CPU keeps fp32 under "auto", so
+scores stay comparable across machines. fp16 on the CPU is refused.
 """
 
 from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import gc
 import os
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -27,6 +33,8 @@ class Runtime:
     device: torch.device
     precision: str  # fp32 | bf16 | fp16
     scaler: torch.amp.GradScaler | None = None
+    reason: str = ""  # why this precision (what "auto" found, or "asked for")
+    warning: str | None = None  # a choice likely to be slow here
 
     def autocast(self):
         if self.precision == "fp32":
@@ -67,12 +75,62 @@ class Runtime:
         if self.device.type == "cuda":
             name = torch.cuda.get_device_name(self.device)
             scaler = " with gradient scaler" if self.scaler else ""
-            return f"device: CUDA ({name}), precision {self.precision}{scaler}"
-        return f"device: CPU ({torch.get_num_threads()} threads), precision {self.precision}"
+            return f"device: CUDA ({name}), precision {self.precision}{scaler} ({self.reason})"
+        return f"device: CPU ({torch.get_num_threads()} threads), precision {self.precision} ({self.reason})"
 
 
-def resolve_runtime(device: str = "auto", precision: str = "auto") -> Runtime:
-    """--device auto|cpu|cuda[:N] and --precision auto|fp32|bf16|fp16 -> Runtime."""
+def cpu_bf16() -> tuple[bool, str, float | None]:
+    """Whether this CPU multiplies bf16 natively: (native, why, bf16 / fp32 matmul time or
+    None when not measured). The hardware query comes first; where it says yes, a matmul
+    probe confirms it (oneDNN may be held below AMX by ONEDNN_MAX_CPU_ISA)."""
+    return _cpu_bf16_cached()
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_bf16_cached() -> tuple[bool, str, float | None]:
+    flags = _cpu_bf16_flags()
+    if not flags:
+        return False, "this CPU has no AMX or AVX512-BF16, so bf16 would be emulated", None
+    ratio = bf16_matmul_ratio()
+    if ratio < 1.0:
+        return True, f"{' and '.join(flags)}: a bf16 matmul takes {ratio:.2f}x the fp32 time", ratio
+    return False, (f"the CPU reports {' and '.join(flags)} but a bf16 matmul took {ratio:.1f}x the fp32 time "
+                   f"(ONEDNN_MAX_CPU_ISA={os.environ.get('ONEDNN_MAX_CPU_ISA', 'unset')})"), ratio
+
+
+def _cpu_bf16_flags() -> list[str]:
+    query = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.6
+    if query is not None:
+        caps = query()
+        return [name for name in ("amx_bf16", "avx512_bf16") if caps.get(name)]
+    try:
+        with open("/proc/cpuinfo") as f:
+            words = set(f.read().split())
+    except OSError:
+        return []
+    return [name for name in ("amx_bf16", "avx512_bf16") if name in words]
+
+
+def bf16_matmul_ratio(n: int = 256, repeats: int = 5) -> float:
+    """Best-of time of an (n, n) @ (n, n) matmul in bf16 over the same in fp32, on the CPU
+    (~100 ms where bf16 is emulated, a few ms where it is native)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+
+    def best(x, y) -> float:
+        x @ y  # warm-up: oneDNN picks and caches its kernel
+        times = []
+        for _ in range(repeats):
+            started = time.perf_counter()
+            x @ y
+            times.append(time.perf_counter() - started)
+        return min(times)
+
+    return best(a.bfloat16(), b.bfloat16()) / max(best(a, b), 1e-9)
+
+
+def resolve_runtime(device: str = "auto", precision: str = "auto", *, training: bool = True) -> Runtime:
+    """--device auto|cpu|cuda[:N] and --precision auto|fp32|bf16|fp16 -> Runtime. `training`
+    False (evaluation) keeps "auto" at fp32 on the CPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
@@ -81,17 +139,29 @@ def resolve_runtime(device: str = "auto", precision: str = "auto") -> Runtime:
     if device != "cpu" and not device.startswith("cuda"):
         raise XformerError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
     dev = torch.device(device)
-    if precision == "auto":
-        if dev.type == "cuda":
-            precision = "bf16" if torch.cuda.is_bf16_supported() else "fp16"
-        else:
-            precision = "fp32"
-    if precision not in DTYPES:
+    if precision != "auto" and precision not in DTYPES:
         raise XformerError(f"--precision {precision}: expected auto, fp32, bf16 or fp16")
     if precision == "fp16" and dev.type == "cpu":
         raise XformerError("--precision fp16: needs a CUDA device; on the CPU use fp32 or bf16")
+    reason, warning = "asked for", None
+    if precision == "auto" and dev.type == "cuda":
+        supported = torch.cuda.is_bf16_supported()
+        precision = "bf16" if supported else "fp16"
+        reason = "auto: the GPU supports bf16" if supported else "auto: no bf16 on this GPU: fp16 with a scaler"
+    elif precision == "auto" and not training:
+        precision, reason = "fp32", "auto: evaluation on the CPU runs in fp32"
+    elif precision == "auto":
+        native, why, _ = cpu_bf16()
+        precision, reason = ("bf16" if native else "fp32"), f"auto: {why}"
+    elif precision == "bf16" and dev.type == "cpu":
+        native, why, ratio = cpu_bf16()
+        if not native:
+            ratio = ratio or bf16_matmul_ratio()
+            warning = (f"warning: precision bf16 on this CPU is emulated: {why}; a bf16 matmul took {ratio:.0f}x the "
+                       "fp32 time here, so training will crawl (train.precision = \"auto\" or --precision fp32 "
+                       "picks fp32)")
     scaler = torch.amp.GradScaler("cuda") if precision == "fp16" else None
-    return Runtime(dev, precision, scaler)
+    return Runtime(dev, precision, scaler, reason, warning)
 
 
 class PeakMemory:

@@ -11,6 +11,7 @@ from xformer.config import Recipe
 from xformer.data.corpus import load_split
 from xformer.data.tokenizer import UNK_ID, Side, Tokenizer, train_tokenizer
 from xformer.errors import RunError
+from xformer.rundir import check_out_dir, mark_run_dir
 
 
 def tokenizer_dir(run_dir: str | Path) -> Path:
@@ -63,11 +64,16 @@ def tokenize_recipe(recipe: Recipe, run_dir: str | Path, *, overwrite: bool = Fa
     on the first `sample` training pairs, pieces per sentence and the share of unknown pieces."""
     _translation_only(recipe)
     directory = tokenizer_dir(run_dir)
+    trained = sorted(p.name for p in (Path(run_dir) / "checkpoints").glob("*.safetensors"))
+    if trained:  # a new tokenizer would give their ids other pieces: eval would decode garbage
+        raise RunError(f"{directory}: the run has checkpoints trained with this tokenizer ({', '.join(trained[:3])}"
+                       f"{', ...' if len(trained) > 3 else ''}); a new one needs a new run directory (--out)")
     if directory.exists() and any(directory.iterdir()):
         if not overwrite:
-            raise RunError(f"{directory}: a tokenizer exists; pass --overwrite to train a new one "
-                           "(a run trained with the old one cannot use it)")
+            raise RunError(f"{directory}: a tokenizer exists; pass --overwrite to train a new one")
         shutil.rmtree(directory)
+    check_out_dir(Path(run_dir), None, resume=False)
+    mark_run_dir(Path(run_dir))
     d = recipe.data
     train = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang], d.dataset_config or None)
     tokenizer = ensure_tokenizer(recipe, run_dir, train)

@@ -20,7 +20,6 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import shutil
 import signal
 import threading
 import time
@@ -36,6 +35,7 @@ from xformer.checkpoint import (
     load_model_weights,
     load_optimizer_state,
     read_checkpoint,
+    read_checkpoint_meta,
     save_checkpoint,
 )
 from xformer.config import Recipe
@@ -43,6 +43,7 @@ from xformer.errors import RunError
 from xformer.jobs import make_job
 from xformer.optim import build_optimizer, learning_rate
 from xformer.recipe_io import load_recipe
+from xformer.rundir import check_out_dir, check_tokenizer, clear_run_dir, mark_run_dir, tokenizer_digest
 from xformer.runtime import PeakMemory, Runtime, resolve_runtime
 
 Event = Callable[[str, dict], None]
@@ -63,6 +64,7 @@ class TrainResult:
     device: str
     precision: str
     parameters: int = 0
+    precision_reason: str = ""  # what precision "auto" found, or "asked for"
     peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth (runtime.PeakMemory)
     history: list[dict] = field(default_factory=list)
 
@@ -92,12 +94,18 @@ class Progress:
     history: list[dict] = field(default_factory=list)
 
 
-def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: bool) -> None:
-    """Create RUN, or check that --resume continues the same recipe; never overwrite silently."""
+def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: bool,
+                    recipe_path: Path | None = None, check_only: bool = False) -> list[str]:
+    """Create RUN, or check that --resume continues the same recipe; never overwrite silently
+    and never touch what is not a run's (xformer.rundir). Returns the artefacts removed.
+    check_only raises what would be refused and changes nothing."""
+    check_out_dir(out_dir, recipe_path, resume=resume)
     saved = out_dir / "recipe.toml"
     if resume:
-        if not (out_dir / "checkpoints" / "last.safetensors").is_file():
+        last = out_dir / "checkpoints" / "last.safetensors"
+        if not last.is_file():
             raise RunError(f"{out_dir}: nothing to resume (no checkpoints/last.safetensors)")
+        check_tokenizer(out_dir, last, read_checkpoint_meta(last))
         old = load_recipe(saved)
         for section in ("model", "data"):
             if getattr(old, section) != getattr(recipe, section):
@@ -108,42 +116,48 @@ def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: b
             if getattr(old.train, key) != getattr(recipe.train, key):
                 raise RunError(f"{saved}: the run was started with train.{key} = {getattr(old.train, key)}, "
                                f"found {getattr(recipe.train, key)}; a resumed run must keep it")
-        return
-    if out_dir.exists() and any(p.name not in ("tokenizer", "recipe.toml") for p in out_dir.iterdir()):
-        if not overwrite:
-            raise RunError(f"{out_dir}: run directory exists and is not empty; "
-                           "pass --resume to continue it or --overwrite to replace it")
-        if not (saved.is_file() or (out_dir / "checkpoints").is_dir()):
-            raise RunError(f"{out_dir}: not a run directory (no recipe.toml or checkpoints/); "
-                           "--overwrite only replaces runs, choose another --out")
-        shutil.rmtree(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+        return []
+    removed = clear_run_dir(out_dir, overwrite=overwrite, check_only=check_only)
+    if not check_only:
+        mark_run_dir(out_dir)
+    return removed
 
 
 def run(
     recipe: Recipe, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
-    overwrite: bool = False, on_event: Event | None = None,
+    overwrite: bool = False, on_event: Event | None = None, recipe_path: str | Path | None = None,
 ) -> TrainResult:
-    """Train the recipe's model into `out_dir`; see the module docstring for what is written."""
+    """Train the recipe's model into `out_dir`; see the module docstring for what is written.
+    `recipe_path` is the file the recipe was read from: never written to, and never inside a
+    run directory that --overwrite would clear."""
     emit = on_event or (lambda kind, payload: None)
     started = time.perf_counter()
     out_dir = Path(out_dir)
     cfg = recipe.train
     rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
+    recipe_path = Path(recipe_path) if recipe_path is not None else None
+    where = dict(resume=resume, overwrite=overwrite, recipe_path=recipe_path)
+    prepare_run_dir(out_dir, recipe, **where, check_only=True)  # before minutes of data loading
     job = make_job(recipe)
     job.load(emit)
-    prepare_run_dir(out_dir, recipe, resume=resume, overwrite=overwrite)
+    removed = prepare_run_dir(out_dir, recipe, **where)
+    if removed:
+        emit("setup", {"message": f"--overwrite removed {', '.join(removed)} from {out_dir}"})
     emit("setup", {"message": rt.describe()})
+    if rt.warning:
+        emit("warning", {"message": rt.warning})
     torch.manual_seed(cfg.seed)
 
     job.prepare(out_dir, emit)
     batches = job.train_batches
+    stamp = {"recipe": recipe.to_dict(), "tokenizer": tokenizer_digest(out_dir)}  # in every checkpoint
     model = job.build_model().to(rt.device)
     optimizer = build_optimizer(model, cfg)
     progress = Progress()
     last = out_dir / "checkpoints" / "last.safetensors"
     if resume:
         tensors, meta = read_checkpoint(last)
+        check_tokenizer(out_dir, last, meta)
         load_model_weights(model, tensors, last)
         load_optimizer_state(optimizer, tensors, meta)
         for group in optimizer.param_groups:  # the recipe's values, not the saved ones
@@ -158,7 +172,8 @@ def run(
             raise RunError(f"{out_dir}: the run already stopped by train.{done}; raise that limit "
                            f"(e.g. --set train.{done}=...) to continue it")
         _truncate_metrics(out_dir / "metrics.jsonl", progress.step)
-    atomic_write_text(out_dir / "recipe.toml", recipe.to_toml())  # as resolved, new limits included
+    if recipe_path is None or recipe_path.resolve() != (out_dir / "recipe.toml").resolve():
+        atomic_write_text(out_dir / "recipe.toml", recipe.to_toml())  # as resolved, new limits included
     signals = _StopSignals()
     parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     emit("start", {"steps_per_epoch": len(batches) // cfg.accumulate_steps, "step": progress.step,
@@ -182,7 +197,7 @@ def run(
     def checkpoint(stop_reason: str | None = None) -> None:
         progress.seconds = elapsed()
         progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
-        meta = {"progress": asdict(progress), "recipe": recipe.to_dict(), "stop_reason": stop_reason}
+        meta = {**stamp, "progress": asdict(progress), "stop_reason": stop_reason}
         tensors, extra_meta = rt.state()
         save_checkpoint(last, model, meta={**meta, **extra_meta}, optimizer=optimizer, extra_tensors=tensors)
 
@@ -217,8 +232,9 @@ def run(
                 progress.compute_seconds += t2 - t1
                 progress.tokens += n_tokens
                 log_tokens += n_tokens
-                if progress.step % cfg.log_every == 0:
-                    now = time.perf_counter()
+                now = time.perf_counter()
+                # by steps, and by time so that a slow machine shows a first line within a minute
+                if progress.step % cfg.log_every == 0 or (cfg.log_seconds and now - log_time >= cfg.log_seconds):
                     mean_loss = float(log_loss) / log_units
                     if not math.isfinite(mean_loss):
                         raise RunError(f"train.lr: the loss is {mean_loss} by step {progress.step}; "
@@ -232,20 +248,27 @@ def run(
                 else:
                     emit("tick", {"step": progress.step, "fraction": fraction_done()})
                 progress.loop_seconds += time.perf_counter() - t0
-                if signals.received:  # at a step boundary, so the checkpoint resumes exactly
-                    stop_reason = "interrupted"
-                    checkpoint(stop_reason)
-                    break
-                stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))
-                if progress.step % cfg.valid_every == 0 or stop_reason:
+                # A signal is acted on at a step boundary, so the checkpoint resumes exactly; one
+                # that lands on a validation step lets that validation and its step checkpoint
+                # happen first, so the resumed run averages what an uninterrupted one would.
+                interrupted = bool(signals.received)
+                stop_reason = "interrupted" if interrupted else _stop_reason(cfg, progress, elapsed(), len(batches))
+                final = stop_reason is not None and not interrupted
+                if progress.step % cfg.valid_every == 0 or final:
                     # a length curriculum's steps are checkpointed but not validated: scores at
                     # max_len say nothing about a model still training on shorter examples
-                    if progress.step >= job.curriculum_steps or stop_reason:
-                        _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed)
-                        stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))  # patience, time
+                    if progress.step >= job.curriculum_steps or final:
+                        if interrupted:
+                            emit("setup", {"message": f"finishing the validation of step {progress.step} first "
+                                                      "(a second interrupt stops at once)"})
+                        _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed, stamp)
+                        if not interrupted:
+                            stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))  # patience, time
                     checkpoint(stop_reason)
                     log_time = time.perf_counter()
                     model.train()
+                elif interrupted:
+                    checkpoint(stop_reason)
                 if stop_reason:
                     break
             if stop_reason is None:
@@ -256,13 +279,14 @@ def run(
         averaged = average_checkpoints([out_dir / "checkpoints" / k for k in progress.kept])
         load_model_weights(model, averaged)
         save_checkpoint(out_dir / "checkpoints" / "averaged.safetensors", model,
-                        meta={"recipe": recipe.to_dict(), "averaged": progress.kept})
+                        meta={**stamp, "averaged": progress.kept})
     result = TrainResult(
         run_dir=str(out_dir), steps=progress.step,
         epochs=progress.epoch + progress.batch_in_epoch / max(1, len(batches)), stop_reason=stop_reason,
         best=progress.best, train_seconds=elapsed(), compute_seconds=progress.compute_seconds,
         data_seconds=progress.data_seconds, loop_seconds=progress.loop_seconds,
-        tokens=progress.tokens, device=str(rt.device), precision=rt.precision, parameters=parameters,
+        tokens=progress.tokens, device=str(rt.device), precision=rt.precision, precision_reason=rt.reason,
+        parameters=parameters,
         peak_memory_mb=progress.peak_memory_mb, history=progress.history,
     )
     atomic_write_text(out_dir / "train.json", json.dumps({**asdict(result), "loop_overhead": result.loop_overhead},
@@ -284,9 +308,13 @@ def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int
     return None
 
 
+# Ctrl-C, `kill`, and a closed terminal or dropped ssh session (SIGHUP, where the OS has it)
+STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+
+
 class _StopSignals:
-    """Ctrl-C / SIGTERM during training: finish the current step, checkpoint, stop, so that
-    --resume continues exactly. A second signal acts at once (the default handler)."""
+    """Ctrl-C / SIGTERM / SIGHUP during training: finish the current step, checkpoint, stop,
+    so that --resume continues exactly. A second signal acts at once (the default handler)."""
 
     def __init__(self):
         self.received: list[int] = []
@@ -294,7 +322,7 @@ class _StopSignals:
 
     def __enter__(self):
         if threading.current_thread() is threading.main_thread():
-            for sig in (signal.SIGINT, signal.SIGTERM):
+            for sig in STOP_SIGNALS:
                 self.previous[sig] = signal.signal(sig, self._handle)
         return self
 
@@ -307,7 +335,7 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
-def _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed) -> None:
+def _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed, stamp) -> None:
     """Validate; write the step checkpoint (kept for averaging) and, on improvement, the best."""
     cfg = recipe.train
     scores = job.validate(model, rt)
@@ -319,12 +347,12 @@ def _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed)
         progress.best = {"step": progress.step, **scores}
         progress.bad_validations = 0
         save_checkpoint(out_dir / "checkpoints" / "best.safetensors", model,
-                        meta={"recipe": recipe.to_dict(), "step": progress.step, "valid": scores})
+                        meta={**stamp, "step": progress.step, "valid": scores})
     else:
         progress.bad_validations += 1
     name = f"step_{progress.step:07d}.safetensors"
     if cfg.average_last:
-        save_checkpoint(out_dir / "checkpoints" / name, model, meta={"recipe": recipe.to_dict(), "step": progress.step})
+        save_checkpoint(out_dir / "checkpoints" / name, model, meta={**stamp, "step": progress.step})
         progress.kept.append(name)
         while len(progress.kept) > cfg.average_last:
             (out_dir / "checkpoints" / progress.kept.pop(0)).unlink(missing_ok=True)

@@ -64,11 +64,17 @@ def load_corpus(spec: str, fields: list[str], config: str | None = None) -> data
     return datasets.DatasetDict({name: _load_source(source, fields) for name, source in sources.items()})
 
 
-def load_split(spec: str, split: str, fields: list[str], config: str | None = None) -> datasets.Dataset:
+def load_split(spec: str, split: str, fields: list[str], config: str | None = None, *, complete: bool = False,
+               numeric: tuple[str, ...] = ()) -> datasets.Dataset:
     """One split of `spec`, checked to have the columns `fields`. A single file is its own
     split whatever `split` says, so `--set data.dataset=newstest2014.jsonl` evaluates on it.
     Pairs kept in one nested `translation` column ({"de": ..., "en": ...}, the layout of the
-    Hub's wmt14 and iwslt2017) become one column per language."""
+    Hub's wmt14 and iwslt2017) become one column per language.
+
+    `complete`: every row must hold every field as a string (or a number, for the `numeric`
+    fields), checked before anything is decoded; the first row that does not is a DataError
+    naming its file and line (a row number for the Hub). Evaluation asks for it: a missing
+    reference or source would otherwise be scored as an empty sentence."""
     sources, single_file = _sources(spec, fields)
     if sources is None:
         corpus = _load_whole(spec, config)
@@ -76,6 +82,8 @@ def load_split(spec: str, split: str, fields: list[str], config: str | None = No
             raise DataError(_no_split(spec, split, list(corpus)))
         rows = _lift_translation(corpus[split], fields)
         _check(rows, f"{spec} (split '{split}')", fields, "rows")
+        if complete:
+            _check_complete(rows, f"{spec} (split '{split}')", fields, numeric)
         return rows
     if single_file:
         (source,) = sources.values()
@@ -83,7 +91,22 @@ def load_split(spec: str, split: str, fields: list[str], config: str | None = No
         source = sources[split]
     else:
         raise DataError(_no_split(spec, split, list(sources)))
-    return _load_source(source, fields)
+    if not complete or source.kind != "json":
+        rows = _load_source(source, fields)
+        if complete:
+            _check_complete(rows, source.where, fields, numeric)
+        return rows
+    # Line by line, so that every message names its line: syntax and types before datasets
+    # reads the file, missing values after it has found the columns (a field absent from
+    # every row is better said as one).
+    for check in (dict(complete=False), dict(complete=True)):
+        for path in source.files:
+            problem = _first_bad_json_line(path, fields, numeric=numeric, **check)
+            if problem:
+                raise DataError(problem)
+        if not check["complete"]:
+            rows = _load_source(source, fields)
+    return rows
 
 
 def encode_split(
@@ -280,7 +303,8 @@ def _unreadable(source: _Source, exc: Exception, fields: list[str]) -> str:
     return f"{source.where}: not valid TSV ({_first_line(cause)})"
 
 
-def _first_bad_json_line(path: Path, fields: list[str]) -> str | None:
+def _first_bad_json_line(path: Path, fields: list[str], *, complete: bool = False,
+                         numeric: tuple[str, ...] = ()) -> str | None:
     with path.open("rb") as f:
         first = f.read(4096).lstrip()[:1]
     if first == b"[":
@@ -300,10 +324,32 @@ def _first_bad_json_line(path: Path, fields: list[str]) -> str | None:
             if not isinstance(row, dict):
                 return f"{path}:{number}: expected a JSON object, found {type(row).__name__}"
             for field in fields:
-                if not isinstance(row.get(field), (str, type(None))):
-                    kind = type(row[field]).__name__
-                    return f"{path}:{number}: field {field!r} is a {kind}, expected a string"
+                value = row.get(field)
+                if value is None and complete:
+                    return f"{path}:{number}: field {field!r} is {'null' if field in row else 'missing'}, " \
+                           f"expected {_wanted(field, numeric)}"
+                if not (value is None or isinstance(value, str) or _is_number(value) and field in numeric):
+                    return f"{path}:{number}: field {field!r} is a {type(value).__name__}, " \
+                           f"expected {_wanted(field, numeric)}"
     return None
+
+
+def _wanted(field: str, numeric: tuple[str, ...]) -> str:
+    return "a string or a number" if field in numeric else "a string"
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _check_complete(split: datasets.Dataset, where: str, fields: list[str], numeric: tuple[str, ...]) -> None:
+    """Every row holds every field (what a line-by-line check cannot see: the Hub, TSV, text)."""
+    for field in fields:
+        for index, value in enumerate(split[field]):
+            if value is None or not (isinstance(value, str) or _is_number(value) and field in numeric):
+                found = "null" if value is None else f"a {type(value).__name__}"
+                raise DataError(f"{where}: row {index + 1}: field {field!r} is {found}, "
+                                f"expected {_wanted(field, numeric)}")
 
 
 def _load_parallel_text(source: _Source, fields: list[str]) -> datasets.Dataset:

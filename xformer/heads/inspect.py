@@ -28,6 +28,7 @@ from xformer.heads import importance as imp
 from xformer.heads.stats import collect
 from xformer.heads.subject import Subject, load_subject, site_space
 from xformer.model.build import attention_modules, build_model, count_parameters
+from xformer.rundir import mark_run_dir, tokenizer_digest
 from xformer.sites import heads_by_site
 
 SPACE_FRACTIONS = [0.0, 0.25, 0.5, 0.75, 1.0]
@@ -251,8 +252,10 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
     target.mkdir(parents=True, exist_ok=True)
     atomic_write_text(target / "recipe.toml", pruned_recipe.to_toml())
     shutil.copytree(run_dir / "tokenizer", target / "tokenizer", dirs_exist_ok=True)
+    mark_run_dir(target)
     source = run_checkpoint(run_dir, name)
-    save_checkpoint(target / "checkpoints" / f"{name}.safetensors", smaller, meta={"pruned_from": str(source)})
+    save_checkpoint(target / "checkpoints" / f"{name}.safetensors", smaller,
+                    meta={"pruned_from": str(source), "tokenizer": tokenizer_digest(target)})
     # speed: the held-out measure with the pruned model in place of the full one
     subject.model = smaller.to(subject.rt.device).eval()
     started = time.perf_counter()

@@ -1,0 +1,107 @@
+"""Scoring a run never reports a wrong result: inputs are checked row by row before decoding,
+results of different inputs never share a file, and a swapped tokenizer is caught."""
+
+import json
+import shutil
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.test_train import RECIPE, TINY, tiny_recipe
+from xformer.data.corpus import load_split
+from xformer.data.tokenizer import train_tokenizer
+from xformer.train import run
+from xformer_cli.main import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    run(tiny_recipe(corpus, "train.max_steps=4", "train.valid_every=4"), out, device="cpu")
+    return out
+
+
+def one_line_error(result, *words):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), result.stderr
+    return lines[0]
+
+
+def test_other_data_never_replaces_the_results_of_a_split(trained, corpus, tmp_path):
+    """An outside test.jsonl is not the recipe's test split: its scores go to their own file,
+    and RUN/eval.json keeps the recipe's test split."""
+    ours = runner.invoke(app, ["eval", str(trained), "--split", "test", "--beam", "1", "--json"])
+    assert ours.exit_code == 0, ours.output
+    report = json.loads(ours.stdout)
+    before = {p.name: p.read_bytes() for p in (trained / "eval").iterdir()}
+    summary = (trained / "eval.json").read_bytes()
+    assert json.loads(summary)["n_sentences"] == 40
+    other = tmp_path / "other" / "test.jsonl"
+    other.parent.mkdir()
+    lines = (corpus / "test.jsonl").read_text(encoding="utf-8").splitlines()
+    other.write_text("\n".join(lines[:20]) + "\n", encoding="utf-8")
+    theirs = runner.invoke(app, ["eval", str(trained), "--data", str(other), "--beam", "1", "--json"])
+    assert theirs.exit_code == 0, theirs.output
+    assert json.loads(theirs.stdout)["n_sentences"] == 20
+    assert json.loads(theirs.stdout)["hypotheses"] != report["hypotheses"]
+    assert all((trained / "eval" / name).read_bytes() == data for name, data in before.items())
+    assert (trained / "eval.json").read_bytes() == summary
+    # another file of the same name and other rows gets a file of its own too
+    other.write_text("\n".join(lines[20:30]) + "\n", encoding="utf-8")
+    third = runner.invoke(app, ["eval", str(trained), "--data", str(other), "--beam", "1", "--json"])
+    assert json.loads(third.stdout)["hypotheses"] != json.loads(theirs.stdout)["hypotheses"]
+
+
+GOOD = '{"de": "Ein Hund.", "en": "A dog."}'
+BAD_ROWS = {
+    "missing target": ('{"de": "Ein Hund."}', "field 'en' is missing"),
+    "null target": ('{"de": "Ein Hund.", "en": null}', "field 'en' is null"),
+    "numeric target": ('{"de": "Ein Hund.", "en": 5}', "field 'en' is a int"),
+    "missing source": ('{"en": "A dog."}', "field 'de' is missing"),
+    "broken json": ('{"de": "Ein Hund.", "en": ', "not valid JSON"),
+    "a list, not an object": ('["Ein Hund.", "A dog."]', "expected a JSON object"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_ROWS))
+def test_a_bad_row_is_named_by_file_and_line_before_decoding(trained, tmp_path, name):
+    row, problem = BAD_ROWS[name]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join([GOOD, GOOD, row, GOOD]) + "\n", encoding="utf-8")
+    one_line_error(runner.invoke(app, ["eval", str(trained), "--data", str(path)]), f"{path}:3:", problem)
+    assert not list((trained / "eval").glob("data-bad-*"))
+
+
+def test_invalid_utf8_is_named_by_line(trained, tmp_path):
+    path = tmp_path / "latin1.jsonl"
+    path.write_bytes((GOOD + "\n").encode() + '{"de": "Mädchen", "en": "girl"}\n'.encode("latin-1"))
+    one_line_error(runner.invoke(app, ["eval", str(trained), "--data", str(path)]), f"{path}:2:", "not UTF-8")
+
+
+def test_a_tokenizer_is_never_swapped_under_a_trained_run(trained, corpus):
+    """tokenize --overwrite refuses a run with checkpoints; a tokenizer replaced by hand is
+    caught when a checkpoint is loaded (every checkpoint records the tokenizer's digest)."""
+    model = (trained / "tokenizer" / "spm.model").read_bytes()
+    values = TINY + [f"data.dataset={json.dumps(str(corpus))}", "data.vocab_size=200", "train.max_steps=4"]
+    sets = [arg for value in values for arg in ("--set", value)]
+    refused = runner.invoke(app, ["tokenize", str(RECIPE), "--out", str(trained), "--overwrite", *sets])
+    one_line_error(refused, "has checkpoints trained with this tokenizer")
+    assert (trained / "tokenizer" / "spm.model").read_bytes() == model
+    saved = trained.parent / "saved-tokenizer"
+    shutil.copytree(trained / "tokenizer", saved)
+    try:
+        rows = load_split(str(corpus), "train", ["de", "en"])
+        train_tokenizer(rows, "de", "en", trained / "tokenizer", model_type="unigram", vocab_size=250, joint=True,
+                        character_coverage=1.0, byte_fallback=False, seed=99)
+        assert (trained / "tokenizer" / "spm.model").read_bytes() != model
+        for command in (["eval", str(trained), "--beam", "1"], ["translate", str(trained)]):
+            one_line_error(runner.invoke(app, command, input="Ein Hund.\n"), "trained with tokenizer")
+        resumed = runner.invoke(app, ["train", str(trained / "recipe.toml"), "--out", str(trained), "--resume",
+                                      "--max-steps", "6"])
+        one_line_error(resumed, "trained with tokenizer")
+    finally:
+        shutil.rmtree(trained / "tokenizer")
+        shutil.copytree(saved, trained / "tokenizer")
