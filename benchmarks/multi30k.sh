@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 3 benchmark: train a Multi30k recipe for a fixed wall-clock budget on this machine, pick
+# Train a Multi30k recipe for a fixed wall-clock budget on this machine, pick
 # the checkpoint (best or averaged) and length penalty on the VALIDATION split, then score the
 # test split (test2016) once with that choice.
 #
@@ -14,7 +14,8 @@
 # checkpoints, `xformer average`, and let validation choose among them; needs train.average_last
 # >= 5), ALLOCATOR (a malloc library to preload for training;
 # default: libtcmalloc_minimal when installed, which made CPU training ~13% faster here; none
-# to use glibc's).
+# to use glibc's), LENPENS (the length penalties tried on validation, default "0.6 1.0 1.4 1.8 2.2
+# 2.6 3.0").
 #
 # Prints one JSON line per evaluation and a final summary line; everything is also in the run
 # directory (train.json, metrics.jsonl, eval/*.json). Run nothing else meanwhile: on 2 cores a
@@ -37,12 +38,13 @@ if [ -z "${SKIP_TRAIN:-}" ]; then
   echo "{\"allocator\": \"${alloc:-glibc}\"}"
   LD_PRELOAD=$alloc xformer train "$recipe" "${sets[@]}" --max-time "$minutes" --device "$device" --out "$run" --overwrite
 fi
-python3 - "$run" "$device" "${VALID_ONLY:-}" "${AVERAGES:-}" <<'PY'
+python3 - "$run" "$device" "${VALID_ONLY:-}" "${AVERAGES:-}" "${LENPENS:-0.6 1.0 1.4 1.8 2.2 2.6 3.0}" <<'PY'
 import json, sys
 from pathlib import Path
 from xformer.checkpoint import average_run
 from xformer.evaluate import evaluate_run
 run, device, valid_only, averages = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
+lenpens = [float(x) for x in sys.argv[5].split()]
 candidates = ["best", "averaged"]
 for n in averages:
     if not Path(f"{run}/checkpoints/averaged_last{n}.safetensors").exists():
@@ -53,7 +55,7 @@ print(json.dumps({"run": run, "train_minutes": train["train_seconds"] / 60, "ste
                   "epochs": train["epochs"], "loop_overhead": train["loop_overhead"], "stop": train["stop_reason"]}))
 best = None
 for checkpoint in candidates:
-    for lenpen in (0.6, 1.0, 1.4, 1.8, 2.2, 2.6, 3.0):
+    for lenpen in lenpens:
         r = evaluate_run(run, split="validation", checkpoint=checkpoint, lenpen=lenpen, device=device)
         print(json.dumps({"run": run, "split": "validation", "checkpoint": checkpoint, "lenpen": lenpen,
                           "bleu": r["bleu"], "bleu_lc": r["bleu_lc"]}))

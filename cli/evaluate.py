@@ -76,9 +76,16 @@ def translate(
     device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
 ) -> None:
     """Translate sentences from stdin or --input, one per line, to stdout."""
-    if input is not None and not input.is_file():
+    if input is not None and not input.exists():
         raise DataError(f"{input}: no such input file")
-    text = input.read_text(encoding="utf-8") if input is not None else sys.stdin.read()
+    if input is not None and input.is_dir():
+        raise DataError(f"{input}: a folder, expected a file of sentences, one per line")
+    try:  # a pipe or device (/dev/stdin, <(...)) reads like a file
+        text = input.read_text(encoding="utf-8") if input is not None else sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise DataError(f"{input or 'stdin'}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     lines = text.splitlines()
-    for line in translate_lines(run, lines, checkpoint=checkpoint, beam=beam, lenpen=lenpen, device=device):
+    warn = lambda message: typer.echo(f"warning: {message}", err=True)  # noqa: E731
+    for line in translate_lines(run, lines, checkpoint=checkpoint, beam=beam, lenpen=lenpen, device=device,
+                                on_warning=warn):
         typer.echo(line)

@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import typer
+from rich import box
 from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
@@ -90,13 +91,18 @@ def inspect_heads_command(
 
 
 def heads_table(report: dict) -> Table:
+    """One row per head, most important first. Narrow borders and two short headers keep every
+    header whole at 80 columns; the roles column takes what is left and wraps."""
     table = Table(title=f"attention heads by {report['ablate']}-ablation importance ({report['importance_metric']}, "
-                        f"{report['n_examples']} examples)", header_style="bold")
-    for column in ("attention", "head", "ablation", "gradient", "confidence", "entropy", "special"):
+                        f"{report['n_examples']} examples)", header_style="bold", box=box.SIMPLE_HEAD,
+                  expand=True, collapse_padding=True, pad_edge=False,
+                  caption="grad.: gradient importance; conf.: confidence (mean max weight)")
+    for column in ("attention", "head", "ablation", "grad.", "conf.", "entropy", "special"):
         table.add_column(column, justify="left" if column == "attention" else "right", no_wrap=True,
-                         min_width=len(column))  # an 80-column terminal keeps every header whole
-    table.add_column("roles", overflow="fold", ratio=1)  # the one column that wraps
+                         min_width=len(column))
+    table.add_column("roles", ratio=1, min_width=8)
     for h in sorted(report["heads"], key=lambda h: -h["ablation"]):
-        table.add_row(f"{h['space']} L{h['layer']}", str(h["head"]), f"{h['ablation']:+.4f}", f"{h['gradient']:.3f}",
+        space = h["space"].replace("encoder", "enc").replace("decoder", "dec")
+        table.add_row(f"{space} L{h['layer']}", str(h["head"]), f"{h['ablation']:+.4f}", f"{h['gradient']:.3f}",
                       f"{h['confidence']:.2f}", f"{h['entropy']:.2f}", f"{h['special']:.2f}", ", ".join(h["roles"]))
     return table

@@ -9,11 +9,14 @@ from pathlib import Path
 import typer
 from rich.console import Console
 
-from xformer.errors import RunError
+from xformer.errors import RecipeError, RunError
 from xformer.recipe_io import load_recipe
 from xformer.train import run
 from xformer_cli.common import SET_HELP, user_errors
 from xformer_cli.display import TrainDisplay, score_table
+
+PRECISION_HELP = ("auto, fp32, bf16 or fp16 (sets train.precision); auto is bf16 on CUDA and on a CPU with "
+                  "native bf16 (AMX, AVX512-BF16), else fp32 (fp16 with a scaler on GPUs without bf16).")
 
 
 @user_errors
@@ -22,7 +25,7 @@ def train(
     out: Path | None = typer.Option(None, "--out", help="Run directory [default: runs/<recipe name>]."),
     overrides: list[str] = typer.Option([], "--set", help=SET_HELP),
     device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
-    precision: str | None = typer.Option(None, "--precision", help="auto, fp32, bf16 or fp16 (sets train.precision)."),
+    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
     max_steps: int | None = typer.Option(None, "--max-steps", help="Stop after N optimizer steps (train.max_steps)."),
     max_time: float | None = typer.Option(None, "--max-time", help="Stop after MINUTES of training (train.max_time)."),
     resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
@@ -32,11 +35,16 @@ def train(
     """Train the recipe's model: tokenizer, training with validation, checkpoints, averaging."""
     if resume and overwrite:
         raise RunError("--resume and --overwrite: choose one (continue the run, or replace it)")
-    sets = list(overrides)
+    sets, flags = list(overrides), {}
     for key, value in (("precision", precision), ("max_steps", max_steps), ("max_time", max_time)):
         if value is not None:
-            sets.append(f"train.{key}={value}")
-    cfg = load_recipe(recipe, sets)
+            sets.append(f"train.{key}={json.dumps(value)}")
+            flags[f"--set train.{key}:"] = f"--{key.replace('_', '-')}:"
+    try:
+        cfg = load_recipe(recipe, sets)
+    except RecipeError as exc:  # a flag's bad value is named by the flag the user typed
+        raise RecipeError([next((flag + line[len(s):] for s, flag in flags.items() if line.startswith(s)), line)
+                           for line in exc.problems]) from None
     with TrainDisplay() as display:
         result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
                      on_event=display, recipe_path=recipe)

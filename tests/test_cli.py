@@ -63,3 +63,79 @@ def test_debug_shows_the_exception(tmp_path):
 def test_version():
     result = runner.invoke(app, ["--version"])
     assert result.exit_code == 0 and result.stdout.startswith("xformer ")
+
+
+def test_help_keeps_bracketed_words_and_names_arguments_plainly():
+    """Help strings are plain text, not rich markup: '[default: ...]' and '[sweep]' survive."""
+    train = runner.invoke(app, ["train", "--help"], terminal_width=100)
+    assert train.exit_code == 0
+    assert "Usage: xformer train [OPTIONS] RECIPE" in train.stdout
+    assert "[default: runs/<recipe name>]" in " ".join(train.stdout.split())
+    sweep = runner.invoke(app, ["longrange", "--help"], terminal_width=100)
+    assert "[sweep]" in sweep.stdout and "{sweep}" not in sweep.stdout
+    evaluate = runner.invoke(app, ["eval", "--help"], terminal_width=100)
+    assert "Usage: xformer eval [OPTIONS] RUN" in evaluate.stdout and "[default: eval.beam]" in evaluate.stdout
+
+
+def one_line(result, *words):
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and all(w in lines[0] for w in words), result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_files_that_are_not_recipes_are_named_as_such(tmp_path):
+    sweep = ROOT / "recipes" / "longrange" / "recall_cpu_sweep.toml"
+    one_line(runner.invoke(app, ["check", str(sweep)]), "a [sweep] file, not a recipe", "xformer longrange")
+    empty = tmp_path / "empty.toml"
+    empty.write_text("# nothing yet\n")
+    for path in (empty, Path("/dev/null")):
+        one_line(runner.invoke(app, ["check", str(path)]), "expected a recipe with [model], [data] and [train]")
+
+
+def test_bad_paths_and_flag_values_are_one_line(tmp_path):
+    afile = tmp_path / "afile"
+    afile.write_text("x")
+    one_line(runner.invoke(app, ["tokenize", str(RECIPE), "--out", str(afile)]), str(afile))
+    one_line(runner.invoke(app, ["average", str(tmp_path / "nope")]), "no such run directory")
+    one_line(runner.invoke(app, ["train", str(RECIPE), "--max-time", "-1"]), "--max-time:")
+    assert "--set" not in runner.invoke(app, ["train", str(RECIPE), "--max-time", "-1"]).stderr
+
+
+def test_the_progress_bar_keeps_its_times_at_80_columns():
+    import io
+    import re
+    import time
+
+    from rich.console import Console
+
+    from xformer_cli.display import TrainDisplay
+
+    console = Console(file=io.StringIO(), width=80, force_terminal=False)
+    display = TrainDisplay(console)
+    display("start", {"parameters": 1000, "steps_per_epoch": 10, "step": 0, "run_dir": "runs/x"})
+    for step in (1, 2):
+        display("step", {"fraction": 0.1 * step, "step": step, "epoch": 1, "loss": 4.5678, "lr": 1.5e-3,
+                         "tokens_per_s": 12345.0})
+        time.sleep(0.05)
+    display.__exit__(None, None, None)
+    bar = console.file.getvalue().splitlines()[-1]
+    assert re.search(r"\d:\d\d:\d\d ETA \d:\d\d:\d\d", bar), bar
+
+
+def test_the_heads_table_keeps_its_headers_at_80_columns():
+    import io
+
+    from rich.console import Console
+
+    from xformer_cli.heads import heads_table
+
+    head = {"space": "decoder cross", "layer": 2, "head": 3, "ablation": 0.1234, "gradient": 0.5, "confidence": 0.9,
+            "entropy": 1.2, "special": 0.3, "roles": ["positional -1", "special", "rare-word"]}
+    report = {"ablate": "zero", "importance_metric": "loss", "n_examples": 500, "heads": [head]}
+    console = Console(file=io.StringIO(), width=80, force_terminal=False)
+    console.print(heads_table(report))
+    text = console.file.getvalue()
+    for header in ("attention", "head", "ablation", "grad.", "conf.", "entropy", "special", "roles"):
+        assert header in text, text
+    assert "…" not in text

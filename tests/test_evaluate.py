@@ -105,3 +105,25 @@ def test_a_tokenizer_is_never_swapped_under_a_trained_run(trained, corpus):
     finally:
         shutil.rmtree(trained / "tokenizer")
         shutil.copytree(saved, trained / "tokenizer")
+
+
+def test_translate_keeps_blank_lines_blank_warns_on_cut_lines_and_reads_pipes(trained, tmp_path):
+    import os
+    import threading
+
+    long_line = " ".join(["Hund"] * 3000)
+    result = runner.invoke(app, ["translate", str(trained), "--beam", "1"],
+                           input=f"Ein Hund.\n\n   \n{long_line}\nZwei Katzen.\n")
+    assert result.exit_code == 0, result.output
+    out = result.stdout.split("\n")
+    assert len(out) == 6 and out[1] == out[2] == "" and out[0] and out[4]
+    warnings = [line for line in result.stderr.splitlines() if line.startswith("warning:")]
+    assert len(warnings) == 1 and "line 4:" in warnings[0] and "translated its first 1023 pieces" in warnings[0]
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    writer = threading.Thread(target=lambda: fifo.write_text("Ein Hund.\n", encoding="utf-8"))
+    writer.start()
+    piped = runner.invoke(app, ["translate", str(trained), "--beam", "1", "--input", str(fifo)])
+    writer.join()
+    assert piped.exit_code == 0, piped.output
+    assert piped.stdout.strip() == out[0]

@@ -2,6 +2,7 @@
 the Transformer-vs-LSTM sweep: outputs, consistency of its numbers, and resuming."""
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -154,6 +155,21 @@ def test_a_missing_label_field_is_one_line(tmp_path, reviews):
     last = result.output.strip().splitlines()[-1]  # after the setup messages
     assert result.exit_code == 2 and "Traceback" not in result.output
     assert last.endswith("train.jsonl: no field 'stars' (found: review, sentiment)")
+
+
+def test_a_row_without_its_label_is_named_by_file_and_line(tmp_path, reviews):
+    path = user_recipe(tmp_path, reviews, "char")
+    train_file = reviews / "train.jsonl"
+    lines = train_file.read_text().splitlines()
+    broken = tmp_path / "broken"
+    shutil.copytree(reviews, broken)
+    (broken / "train.jsonl").write_text("\n".join(lines[:4] + ['{"review": "fine", "sentiment": null}'] + lines[4:])
+                                        + "\n")
+    path.write_text(path.read_text().replace(str(reviews), str(broken)))
+    result = runner.invoke(app, ["train", str(path), "--out", str(tmp_path / "r")])
+    last = result.output.strip().splitlines()[-1]
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert last.endswith("train.jsonl:5: field 'sentiment' is null, expected a string or a number"), last
 
 
 def test_throughput_at_a_length_leaves_out_the_curriculum_steps(tmp_path):

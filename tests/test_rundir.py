@@ -93,3 +93,31 @@ def test_overwrite_removes_run_artefacts_only_and_resume_never_writes_the_recipe
     one_line_error(runner.invoke(app, ["train", "runs/a/recipe.toml", "--out", "runs/a", "--overwrite"]),
                    "holds the recipe")
     assert (project / "recipe.toml").read_text(encoding="utf-8") == COMMENTED
+
+
+def test_the_interrupt_hint_is_a_command_that_resumes(corpus, project, monkeypatch):
+    """The README's own command carries --set data.dataset=...; the hint names the run's
+    recipe, which holds every override, so it works as printed."""
+    import os
+    import shlex
+    import signal
+
+    import xformer_cli.train as cli_train
+
+    class InterruptAtStep3(cli_train.TrainDisplay):
+        def __call__(self, kind, payload):
+            super().__call__(kind, payload)
+            if kind in ("tick", "step") and payload["step"] == 3:
+                os.kill(os.getpid(), signal.SIGINT)
+
+    monkeypatch.setattr(cli_train, "TrainDisplay", InterruptAtStep3)
+    stopped = train(corpus, "recipe.toml", "--out", "runs/b", "--max-steps", "6")
+    assert stopped.exit_code == 130, stopped.output
+    hint = stopped.stderr.strip().splitlines()[-1]
+    assert hint.startswith("interrupted at step 3; continue with: xformer train ")
+    command = shlex.split(hint.split("continue with: ", 1)[1])
+    monkeypatch.setattr(cli_train, "TrainDisplay", cli_train.TrainDisplay.__mro__[1])
+    resumed = runner.invoke(app, command[1:])
+    assert resumed.exit_code == 0, resumed.output
+    _, meta = read_checkpoint(project / "runs" / "b" / "checkpoints" / "last.safetensors")
+    assert meta["progress"]["step"] == 6

@@ -101,6 +101,9 @@ def test_a_sample_decodes_to_the_text_and_a_sharp_alpha_gives_the_one_best(token
     assert sampled[-3] == () and 1 in sampled[-2]  # the snowman has no piece: one-best, with unk
     sharp = rows_of(*tokenizer.sampler(texts, "source", alpha=1e4).sample(np.random.default_rng(0)))
     assert sharp == [tuple(b) for b in best]
+    for nbest in (-1, 4):  # nothing to segment at all
+        ids, lens = tokenizer.sampler(["", ""], "source", alpha=0.2, nbest=nbest).sample(np.random.default_rng(0))
+        assert ids.size == 0 and lens.tolist() == [0, 0]
 
 
 SCRIPT = """

@@ -148,6 +148,9 @@ def average_run(run_dir: str | Path, last: int, name: str | None = None) -> dict
     RUN/checkpoints/<name>.safetensors (default averaged_last<N>), which `xformer eval
     --checkpoint <name>` reads. Never overwrites. Returns {"path", "averaged", "steps"}."""
     folder = Path(run_dir) / "checkpoints"
+    if not folder.is_dir():
+        raise RunError(f"{run_dir}: {'no such run directory' if not Path(run_dir).exists() else 'no checkpoints/ here'}"
+                       "; expected a run directory written by xformer train")
     steps = sorted(folder.glob("step_*.safetensors"))
     if last < 1:
         raise RunError(f"--last {last}: expected at least 1 checkpoint")

@@ -158,12 +158,26 @@ def evaluate_run(
 
 
 def translate_lines(run_dir: str | Path, lines: list[str], *, checkpoint: str | None = None,
-                    beam: int | None = None, lenpen: float | None = None, device: str = "auto") -> list[str]:
-    """Translate raw sentences with a trained run; the recipe's [eval] settings by default."""
+                    beam: int | None = None, lenpen: float | None = None, device: str = "auto",
+                    on_warning: Callable[[str], None] | None = None) -> list[str]:
+    """Translate raw sentences with a trained run; the recipe's [eval] settings by default.
+    A blank line stays blank (nothing is decoded for it); a line longer than the model's
+    positions is translated from its first model.max_positions - 1 pieces, and `on_warning`
+    is told which line was cut."""
     saved = load_run_recipe(run_dir)
     if saved.data.is_classification:
         raise RunError(f"{run_dir}: a {saved.data.task} classification run; translate needs a translation run")
     checkpoint = checkpoint or saved.eval.checkpoint
     recipe, tokenizer, model, rt = load_translation_run(run_dir, checkpoint, device)
-    ids = translate_ids(model, tokenizer.encode(lines, "source"), recipe, rt, beam=beam, lenpen=lenpen)
-    return tokenizer.decode(ids, "target")
+    sources = tokenizer.encode(lines, "source")
+    limit = recipe.model.max_positions - 1  # room for EOS
+    for number, ids in enumerate(sources, start=1):
+        if len(ids) > limit and on_warning:
+            on_warning(f"line {number}: {len(ids)} pieces, more than the model's {limit} positions; "
+                       f"translated its first {limit} pieces")
+    kept = [i for i, ids in enumerate(sources) if ids]
+    hyps = translate_ids(model, [sources[i] for i in kept], recipe, rt, beam=beam, lenpen=lenpen) if kept else []
+    out = [""] * len(lines)
+    for i, text in zip(kept, tokenizer.decode(hyps, "target"), strict=True):
+        out[i] = text
+    return out

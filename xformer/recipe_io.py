@@ -37,6 +37,12 @@ def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
         raw = tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise RecipeError(f"{path}: not valid TOML: {exc}") from None
+    if "sweep" in raw:
+        raise RecipeError(f"{path}: a [sweep] file, not a recipe; `xformer longrange {path}` runs it "
+                          "(its recipes are checked with `xformer check RECIPE`)")
+    if not any(name in SECTIONS for name in raw):
+        found = f"only {', '.join(f'[{k}]' for k in raw)}" if raw else "nothing"
+        raise RecipeError(f"{path}: expected a recipe with [model], [data] and [train] tables, found {found}")
     return recipe_from_dict(raw, overrides or [], source=str(path))
 
 

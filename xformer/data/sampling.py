@@ -68,6 +68,10 @@ class _Choices:
     picks an option of every g at once."""
 
     def __init__(self, owner: np.ndarray, probs: np.ndarray, n_groups: int):
+        self.last = np.full(n_groups, -1, dtype=np.int64)
+        if not len(owner):  # nothing to choose (every text empty)
+            self.keys = np.zeros(0)
+            return
         cum = np.empty_like(probs)
         ends = np.flatnonzero(np.r_[owner[1:] != owner[:-1], True])  # last option of each block
         starts = np.r_[0, ends[:-1] + 1]
@@ -77,7 +81,6 @@ class _Choices:
         cum /= np.repeat(totals, ends - starts + 1)
         cum[ends] = 1.0
         self.keys = owner.astype(np.float64) + cum
-        self.last = np.full(n_groups, -1, dtype=np.int64)
         self.last[owner[ends]] = ends
 
     def draw(self, groups: np.ndarray, rng: np.random.Generator) -> np.ndarray:

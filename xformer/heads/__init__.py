@@ -1,4 +1,4 @@
-"""Attention-head analysis (issue 5): capture, statistics and roles, importance, pruning, report."""
+"""Attention-head analysis: capture, statistics and roles, importance, pruning, report."""
 
 from xformer.heads.inspect import inspect_heads
 

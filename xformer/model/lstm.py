@@ -2,8 +2,8 @@
 
 LSTM: Hochreiter & Schmidhuber 1997. Padding is handled with packed sequences, so a pad
 never enters the recurrence and a sequence gives the same output alone or in a padded batch.
-`match_hidden` sizes the LSTM to a parameter budget (the Transformer's), the comparison
-issue 4 asks for.
+`match_hidden` sizes the LSTM to a parameter budget (the Transformer's), so the two compare
+at equal size.
 
 Shapes: B batch, S sequence length, E embedding size, Hd hidden size, C classes.
 """
