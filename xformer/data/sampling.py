@@ -50,11 +50,10 @@ class UnigramSampler:
         texts = [t or "" for t in texts]
         self.n_texts = len(texts)
         self.alpha, self.nbest = alpha, nbest
-        scores = np.array([model.get_score(i) for i in range(model.get_piece_size())], dtype=np.float64)
         if nbest == -1:
             self._table = _WordLattices(model, texts, alpha)
         else:
-            self._table = _NBestLists(model, texts, nbest, alpha, scores)
+            self._table = _NBestLists(model, texts, nbest, alpha)
 
     def sample(self, rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
         return self._table.sample(rng)
@@ -197,12 +196,10 @@ def _lattice(word: str, vocab: dict[str, tuple[int, float]], longest: int,
 class _NBestLists:
     """nbest = k: each text's k best segmentations, weighted exp(alpha * score)."""
 
-    def __init__(self, model: spm.SentencePieceProcessor, texts: list[str], nbest: int, alpha: float,
-                 scores: np.ndarray):
+    def __init__(self, model: spm.SentencePieceProcessor, texts: list[str], nbest: int, alpha: float):
         lists = model.nbest_encode(texts, nbest_size=nbest, out_type=int)
-        unknown_score = scores.min() - 10.0  # sentencepiece's unigram kUnkPenalty
-        scores = scores.copy()
-        scores[model.unk_id()] = unknown_score
+        scores = np.array([model.get_score(i) for i in range(model.get_piece_size())], dtype=np.float64)
+        scores[model.unk_id()] = scores.min() - 10.0  # sentencepiece's unigram kUnkPenalty
         candidate_lens, owner, flat = [], [], []
         for t, candidates in enumerate(lists):
             for ids in candidates or [[]]:
