@@ -24,10 +24,10 @@ from torch.utils.flop_counter import FlopCounterMode
 from xformer.data.batching import BatchIterator
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import PAD_ID
-from xformer.evaluate import build_translation_model
-from xformer.optim import sequence_loss
+from xformer.losses import sequence_loss
 from xformer.recipe_io import load_recipe
-from xformer.tokenize import ensure_tokenizer
+from xformer.tasks import make_task
+from xformer.tasks.translation import ensure_tokenizer
 from xformer.train import run
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
@@ -41,7 +41,9 @@ def flops_per_token(recipe, run_dir: Path) -> float:
     raw = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang], d.dataset_config or None)
     train = encode_split(raw, tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
     batch = next(BatchIterator(train, d.max_tokens, seed=1).iter_epoch(0))
-    model = build_translation_model(recipe, tokenizer)
+    task = make_task(recipe)
+    task.tokenizer = tokenizer  # sizes the model by the tokenizer actually trained
+    model = task.build_model()
     keep = batch["tgt_out"].ne(PAD_ID)
     with FlopCounterMode(display=False) as counter:
         logits = model(batch["src"], batch["tgt_in"], keep=keep)

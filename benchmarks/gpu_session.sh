@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# Everything still waiting for a CUDA GPU, as one call (a lent GPU is short-lived: 15 device
-# minutes a session, start-up included). Side by side on the one GPU (the small models leave it
+# Everything still waiting for a CUDA GPU, as one call (a lent GPU is short-lived: 15 minutes
+# of device time, start-up included). Side by side on the one GPU (the small models leave it
 # mostly idle):
-#   1. issue 4: ListOps at Long Range Arena size (recipes/longrange/listops_lra_transformer.toml,
-#      target >= 37% test) for LRA_MINUTES of training, then test accuracy;
-#   2. issue 3: the en->de GPU target (>= 41.5 lowercased): multi30k_en_de with larger batches
+#   1. the long-range comparison: ListOps at Long Range Arena size
+#      (recipes/longrange/listops_lra_transformer.toml, target >= 37% test) for LRA_MINUTES of
+#      training, then test accuracy;
+#   2. the en->de GPU target (>= 41.5 lowercased): multi30k_en_de with larger batches
 #      and the linear schedule for MINUTES, checkpoint and lenpen picked on validation, test2016
 #      scored once;
 #   3. the classification paths under bf16 autocast, untested on CUDA so far: the recall

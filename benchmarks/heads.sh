@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Issue 5 benchmark: the head analysis of a trained Multi30k de->en run (README "Attention heads").
+# The attention-head benchmark: the head analysis of a trained Multi30k de->en run
+# (results: docs/results.md, "Attention heads").
 #
 #   benchmarks/heads.sh RUN [OUT] [PRUNE_ORDER]
 #

@@ -1,5 +1,6 @@
 """PyTorch's CPU LSTM at the recall sweep's shapes: forward + backward time per step, packed and
-unpacked, so a throughput cliff in a sweep can be told apart from xformer overhead (issue 4).
+unpacked, so a throughput cliff in a sweep can be told apart from xformer overhead (the long-range
+Transformer-vs-LSTM comparison, docs/results.md).
 
     python benchmarks/lstm_cpu_speed.py
 

@@ -1,4 +1,5 @@
-"""Probe: can a small Transformer classifier learn associative recall at all? (issue 4)
+"""Probe: can a small Transformer classifier learn associative recall at all? (For the
+long-range Transformer-vs-LSTM comparison.)
 
 Trains on fresh examples every step (no memorisation possible) with a plain loop, bypassing
 the trainer, and prints validation accuracy; for finding a configuration that escapes the
@@ -7,7 +8,7 @@ the trainer, and prints validation accuracy; for finding a configuration that es
     OMP_NUM_THREADS=1 python benchmarks/recall_probe.py --length 16 --pairs 4 --queries 1 \
         --steps 2000 --lr 1e-3 --set n_encoder_layers=3 --set scale_embeddings=false
 
---set takes ModelConfig fields (TOML values). Session 2 (2026-11-29), length 16, 4 pairs, 1 query,
+--set takes ModelConfig fields (TOML values). Measured 2026-11-29: length 16, 4 pairs, 1 query,
 batch 64, d 64, 4 heads, Pre-LN, last pooling: validation accuracy ~30% after 2000 steps for
 the default (lr 1e-3), scale_embeddings=false (lr 3e-3) and 3 layers (lr 3e-3) alike.
 
@@ -29,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from xformer.config import ModelConfig
-from xformer.data.tasks import generate_recall, recall_spec
+from xformer.data.generators import generate_recall, recall_spec
 from xformer.model.build import build_model
 from xformer.recipe_io import parse_override
 

@@ -1,19 +1,67 @@
-"""What every command shares: the --debug switch and turning errors into one-line messages."""
+"""What every command shares: the consoles, choice Enums, option types, and turning errors into
+one-line messages."""
 
 from __future__ import annotations
 
 import errno
 import functools
-from collections.abc import Callable
+import typing
+from collections.abc import Callable, Iterable
+from enum import Enum
+from pathlib import Path
+from typing import Annotated
 
 import typer
 
-from xformer.errors import XformerError
+try:  # typer >= 0.17 carries its own copy of click, whose context stack the commands run in
+    from typer._click.globals import get_current_context
+except ImportError:  # pragma: no cover - older typer on the public click
+    from click import get_current_context
+from rich.console import Console
 
-STATE = {"debug": False}
+from xformer import config
+from xformer.errors import XformerError
+from xformer.heads.analyse import ABLATIONS, IMPORTANCE_METRICS, PRUNE_ORDERS
+
+console = Console(stderr=True)  # progress, messages and warnings
+stdout = Console()  # results: tables and lines a user may pipe
+
 _PATH_ERRORS = {errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.EACCES, errno.ENOENT, errno.EROFS}
 
-SET_HELP = "Override a recipe value, TOML-typed: --set train.lr=3e-4 (repeatable)."
+
+def choices(name: str, values: Iterable[str]) -> type[Enum]:
+    """A str Enum of the core's own choice words, so click validates them and --help lists them."""
+    return Enum(name, {v.replace("-", "_"): v for v in values}, type=str)
+
+
+Precision = choices("Precision", typing.get_args(config.Precision))
+Importance = choices("Importance", IMPORTANCE_METRICS)
+Ablation = choices("Ablation", ABLATIONS)
+PruneOrder = choices("PruneOrder", PRUNE_ORDERS)
+Side = choices("Side", ("source", "target"))
+
+# Options several commands take, spelled once.
+SetOption = Annotated[list[str], typer.Option(
+    "--set", help="Override a recipe value, TOML-typed: --set train.lr=3e-4 (repeatable).")]
+DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object instead of tables.")]
+RunArgument = Annotated[Path, typer.Argument(help="Run directory written by xformer train.")]
+CheckpointOption = Annotated[str | None, typer.Option(
+    "--checkpoint", help="best, last, averaged or a name from `xformer average` [default: the recipe's "
+                         "eval.checkpoint].")]
+
+
+def as_flag(problem: str) -> str:
+    """'prune_step: expected ...' (a core field) -> '--prune-step: expected ...' (the flag typed)."""
+    name, sep, rest = problem.partition(":")
+    return f"--{name.replace('_', '-')}{sep}{rest}" if sep and name.isidentifier() else problem
+
+
+def debugging() -> bool:
+    """--debug, as the root command's context holds it (main.main sets ctx.obj)."""
+    ctx = get_current_context(silent=True)
+    obj = ctx.find_root().obj if ctx is not None else None
+    return bool(obj and obj.get("debug"))
 
 
 def user_errors(command: Callable) -> Callable:
@@ -25,7 +73,7 @@ def user_errors(command: Callable) -> Callable:
         try:
             return command(*args, **kwargs)
         except XformerError as exc:
-            if STATE["debug"]:
+            if debugging():
                 raise
             for line in exc.problems:
                 typer.echo(line, err=True)
@@ -33,19 +81,18 @@ def user_errors(command: Callable) -> Callable:
         except (typer.Exit, typer.Abort, KeyboardInterrupt):
             raise
         except OSError as exc:
-            if STATE["debug"] or exc.errno not in _PATH_ERRORS or not exc.filename:
-                if STATE["debug"]:
-                    raise
+            if debugging():
+                raise
+            if exc.errno not in _PATH_ERRORS or not exc.filename:
                 typer.echo(f"error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", err=True)
                 raise typer.Exit(1) from None
             # a path given on the command line that cannot be used: bad input, said in one line
             typer.echo(f"{exc.filename}: {exc.strerror.lower()}", err=True)
             raise typer.Exit(2) from None
         except Exception as exc:
-            if STATE["debug"]:
+            if debugging():
                 raise
             typer.echo(f"error: {type(exc).__name__}: {exc} (rerun with --debug for the traceback)", err=True)
             raise typer.Exit(1) from None
 
     return wrapper
-

@@ -2,78 +2,84 @@
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import Progress
 from rich.table import Table
 
 from xformer.errors import DataError
 from xformer.evaluate import evaluate_run, translate_lines
-from xformer_cli.common import user_errors
+from xformer.results import ClassificationEval, TranslationEval
+from xformer_cli.common import CheckpointOption, DeviceOption, JsonOption, RunArgument, console, stdout, user_errors
 from xformer_cli.display import score_table
 
-CHECKPOINT_HELP = ("best, last, averaged or a name from `xformer average` [default: the recipe's "
-                   "eval.checkpoint].")
+BeamOption = Annotated[int | None, typer.Option("--beam", min=1, help="Beam size; 1 is greedy [default: eval.beam].")]
+LenpenOption = Annotated[float | None, typer.Option("--lenpen", min=0.0,
+                                                    help="Length penalty [default: eval.lenpen].")]
 
 
 @user_errors
 def evaluate(
-    run: Path = typer.Argument(..., help="Run directory written by xformer train."),
-    split: str | None = typer.Option(None, "--split", help="Split of the recipe's corpus [default: data.test_split]."),
-    data: str | None = typer.Option(None, "--data", help="Score this JSONL file or folder instead."),
-    beam: int | None = typer.Option(None, "--beam", min=1, help="Beam size; 1 is greedy [default: eval.beam]."),
-    lenpen: float | None = typer.Option(None, "--lenpen", min=0.0, help="Length penalty [default: eval.lenpen]."),
-    checkpoint: str | None = typer.Option(None, "--checkpoint", help=CHECKPOINT_HELP),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
-    as_json: bool = typer.Option(False, "--json", help="Print eval.json instead of a table."),
+    run: RunArgument,
+    split: Annotated[str | None, typer.Option("--split", help="Split of the recipe's corpus "
+                                                              "[default: data.test_split].")] = None,
+    data: Annotated[str | None, typer.Option("--data", help="Score this JSONL file or folder instead.")] = None,
+    beam: BeamOption = None,
+    lenpen: LenpenOption = None,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = "auto",
+    as_json: JsonOption = False,
 ) -> None:
     """Score a run on a test set: translation with beam search, sacreBLEU (cased and lowercased)
     and chrF; classification with accuracy and a confusion matrix."""
-    console = Console(stderr=True)
     with Progress(console=console, transient=True) as progress:
-        task = progress.add_task("decoding", total=None)
-        report = evaluate_run(run, split=split, data=data, beam=beam, lenpen=lenpen, checkpoint=checkpoint,
-                              device=device, on_progress=lambda done, total: progress.update(task, completed=done,
-                                                                                             total=total))
+        bar = progress.add_task("decoding", total=None)
+        result = evaluate_run(run, split=split, data=data, beam=beam, lenpen=lenpen, checkpoint=checkpoint,
+                              device=device,
+                              on_progress=lambda done, total: progress.update(bar, completed=done, total=total))
     if as_json:
-        typer.echo(json.dumps(report))
-        return
-    if "accuracy" in report:
-        show_classification(run, report)
-        return
-    rows = {k: report[k] for k in ("bleu", "bleu_lc", "chrf", "n_sentences", "checkpoint", "beam", "lenpen")}
-    rows["sentences/s"] = report["sentences_per_s"]
-    Console().print(score_table(f"{run}: {report['split'] or report['data']}", rows))
-    Console().print(f"[dim]{report['signature']}[/dim]\n[dim]hypotheses: {report['hypotheses']}[/dim]")
+        typer.echo(result.to_json(indent=None))
+    elif isinstance(result, ClassificationEval):
+        show_classification(run, result)
+    else:
+        show_translation(run, result)
 
 
-def show_classification(run: Path, report: dict) -> None:
-    rows = {k: report[k] for k in ("accuracy", "majority_accuracy", "loss", "n_examples", "checkpoint")}
-    console = Console()
-    console.print(score_table(f"{run}: {report['task']} {report['split']}", rows))
-    if "confusion" in report:
+def show_translation(run: Path, result: TranslationEval) -> None:
+    rows = {"bleu": result.bleu, "bleu_lc": result.bleu_lc, "chrf": result.chrf, "n_sentences": result.n_sentences,
+            "checkpoint": result.checkpoint, "beam": result.beam, "lenpen": result.lenpen,
+            "sentences/s": result.sentences_per_s}
+    stdout.print(score_table(f"{run}: {result.split or result.data}", rows))
+    stdout.print(f"[dim]{result.signature}[/dim]\n[dim]hypotheses: {result.hypotheses}[/dim]")
+
+
+def show_classification(run: Path, result: ClassificationEval) -> None:
+    rows = {"accuracy": result.accuracy, "majority_accuracy": result.majority_accuracy, "loss": result.loss,
+            "n_examples": result.n_examples, "checkpoint": result.checkpoint}
+    stdout.print(score_table(f"{run}: {result.task} {result.split}", rows))
+    if result.confusion is not None:
         table = Table(title="confusion (rows: true, columns: predicted)", header_style="bold")
         table.add_column("")
-        for label in report["labels"]:
+        for label in result.labels:
             table.add_column(label, justify="right")
-        for label, row in zip(report["labels"], report["confusion"], strict=True):
+        for label, row in zip(result.labels, result.confusion, strict=True):
             table.add_row(label, *(str(c) for c in row))
-        console.print(table)
-    console.print(f"[dim]predictions: {report['predictions']}[/dim]")
+        stdout.print(table)
+    stdout.print(f"[dim]predictions: {result.predictions}[/dim]")
 
 
 @user_errors
 def translate(
-    run: Path = typer.Argument(..., help="Run directory written by xformer train."),
-    input: Path | None = typer.Option(None, "--input", help="File of sentences, one per line [default: stdin]."),
-    beam: int | None = typer.Option(None, "--beam", min=1, help="Beam size; 1 is greedy [default: eval.beam]."),
-    lenpen: float | None = typer.Option(None, "--lenpen", min=0.0, help="Length penalty [default: eval.lenpen]."),
-    checkpoint: str | None = typer.Option(None, "--checkpoint", help=CHECKPOINT_HELP),
-    device: str = typer.Option("auto", "--device", help="auto, cpu, cuda or cuda:N."),
+    run: RunArgument,
+    input: Annotated[Path | None, typer.Option("--input", help="File of sentences, one per line "
+                                                               "[default: stdin].")] = None,
+    beam: BeamOption = None,
+    lenpen: LenpenOption = None,
+    checkpoint: CheckpointOption = None,
+    device: DeviceOption = "auto",
 ) -> None:
     """Translate sentences from stdin or --input, one per line, to stdout."""
     if input is not None and not input.exists():

@@ -3,30 +3,31 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 import typer
-from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from xformer.longrange import load_sweep, run_sweep
-from xformer_cli.common import user_errors
+from xformer_cli.common import DeviceOption, console, stdout, user_errors
 
 ROW = 1000  # progress units per row
 
 
 @user_errors
 def longrange(
-    sweep: Path = typer.Argument(..., help="Sweep TOML ([sweep] names the two recipes, lengths, seeds, budget)."),
-    out: Path | None = typer.Option(None, "--out", help="Sweep directory [default: runs/<sweep name>]."),
-    overrides: list[str] = typer.Option([], "--set", help="Override a sweep value: --set sweep.lengths=[64,128]."),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
+    sweep: Annotated[Path, typer.Argument(help="Sweep TOML ([sweep] names the two recipes, lengths, seeds, "
+                                               "budget).")],
+    out: Annotated[Path | None, typer.Option("--out", help="Sweep directory [default: runs/<sweep name>].")] = None,
+    overrides: Annotated[list[str], typer.Option("--set", help="Override a sweep value: "
+                                                               "--set sweep.lengths=[64,128].")] = [],  # noqa: B006
+    device: DeviceOption = "auto",
 ) -> None:
     """Train both models at every length and seed (rows already done are kept), then write
     comparison.json, comparison.md and comparison.png."""
     loaded = load_sweep(sweep, overrides)
     out_dir = out or Path("runs") / sweep.stem
-    console = Console(stderr=True)
     progress = Progress(TextColumn("[bold]sweep[/bold]"), BarColumn(), TaskProgressColumn(),
                         TextColumn("{task.fields[row]}"), TimeElapsedColumn(), TextColumn("ETA"),
                         TimeRemainingColumn(), console=console)
@@ -57,17 +58,17 @@ def longrange(
     except KeyboardInterrupt:
         typer.echo(f"interrupted; run the same command again to continue the sweep in {out_dir}", err=True)
         raise typer.Exit(130) from None
-    table = Table(title=f"{comparison['task']}: test accuracy % (mean +- std over seeds), "
-                        f"{comparison['budget_per_run']} per run", header_style="bold")
+    table = Table(title=f"{comparison.task}: test accuracy % (mean +- std over seeds), "
+                        f"{comparison.budget_per_run} per run", header_style="bold")
     for column in ("length", "Transformer", "LSTM", "params T / L", "tokens/s T / L", "peak MB T / L"):
         table.add_column(column, justify="right")
-    by = {(g["model"], g["length"]): g for g in comparison["summary"]}
-    for n in comparison["lengths"]:
+    by = {(g["model"], g["length"]): g for g in comparison.summary}
+    for n in comparison.lengths:
         t, s = by[("transformer", n)], by[("lstm", n)]
         table.add_row(str(n), f"{t['accuracy_mean']:.2f} +- {t['accuracy_std']:.2f}",
                       f"{s['accuracy_mean']:.2f} +- {s['accuracy_std']:.2f}",
                       f"{t['parameters']:,} / {s['parameters']:,}",
                       f"{t['tokens_per_s']:,.0f} / {s['tokens_per_s']:,.0f}",
                       f"{t['peak_memory_mb']:.0f} / {s['peak_memory_mb']:.0f}")
-    Console().print(table)
-    Console().print(f"[dim]{out_dir}/comparison.json, comparison.md, comparison.png[/dim]")
+    stdout.print(table)
+    stdout.print(f"[dim]{out_dir}/comparison.json, comparison.md, comparison.png[/dim]")

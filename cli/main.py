@@ -2,17 +2,18 @@
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 from typer.core import TyperArgument, TyperCommand
 
 import xformer
 from xformer_cli.average import average
 from xformer_cli.check import check
-from xformer_cli.common import STATE
 from xformer_cli.evaluate import evaluate, translate
 from xformer_cli.heads import inspect_heads_command
 from xformer_cli.longrange import longrange
-from xformer_cli.tokenize import tokenize
+from xformer_cli.tokenizing import tokenize
 from xformer_cli.train import train
 
 
@@ -48,11 +49,13 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def main(
-    debug: bool = typer.Option(False, "--debug", help="Show full tracebacks instead of one-line errors."),
-    version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="Print the version."),
+    ctx: typer.Context,
+    debug: Annotated[bool, typer.Option("--debug", help="Show full tracebacks instead of one-line errors.")] = False,
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version.")] = False,
 ) -> None:
     """Train, evaluate and take apart Transformer models."""
-    STATE["debug"] = debug
+    ctx.obj = {"debug": debug}  # read by common.user_errors through the context
     import datasets
 
     datasets.disable_progress_bars()  # our own progress display reports the long steps

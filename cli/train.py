@@ -5,32 +5,35 @@ from __future__ import annotations
 import json
 import shlex
 from pathlib import Path
+from typing import Annotated
 
 import typer
-from rich.console import Console
 
 from xformer.errors import RecipeError, RunError
 from xformer.recipe_io import load_recipe
 from xformer.train import run
-from xformer_cli.common import SET_HELP, user_errors
+from xformer_cli.common import DeviceOption, JsonOption, Precision, SetOption, stdout, user_errors
 from xformer_cli.display import TrainDisplay, score_table
 
-PRECISION_HELP = ("auto, fp32, bf16 or fp16 (sets train.precision); auto is bf16 on CUDA and on a CPU with "
-                  "native bf16 (AMX, AVX512-BF16), else fp32 (fp16 with a scaler on GPUs without bf16).")
+PRECISION_HELP = ("Sets train.precision. auto is bf16 on CUDA and on a CPU with native bf16 (AMX, AVX512-BF16), "
+                  "else fp32 (fp16 with a scaler on GPUs without bf16).")
 
 
 @user_errors
 def train(
-    recipe: Path = typer.Argument(..., help="Recipe TOML, e.g. recipes/translation/multi30k_de_en.toml."),
-    out: Path | None = typer.Option(None, "--out", help="Run directory [default: runs/<recipe name>]."),
-    overrides: list[str] = typer.Option([], "--set", help=SET_HELP),
-    device: str = typer.Option("auto", "--device", help="auto (CUDA when present), cpu, cuda or cuda:N."),
-    precision: str | None = typer.Option(None, "--precision", help=PRECISION_HELP),
-    max_steps: int | None = typer.Option(None, "--max-steps", help="Stop after N optimizer steps (train.max_steps)."),
-    max_time: float | None = typer.Option(None, "--max-time", help="Stop after MINUTES of training (train.max_time)."),
-    resume: bool = typer.Option(False, "--resume", help="Continue the run in --out from its last checkpoint."),
-    overwrite: bool = typer.Option(False, "--overwrite", help="Replace an existing run directory."),
-    as_json: bool = typer.Option(False, "--json", help="Print the result as one JSON object."),
+    recipe: Annotated[Path, typer.Argument(help="Recipe TOML, e.g. recipes/translation/multi30k_de_en.toml.")],
+    out: Annotated[Path | None, typer.Option("--out", help="Run directory [default: runs/<recipe name>].")] = None,
+    overrides: SetOption = [],  # noqa: B006 - typer reads the default, never mutates it
+    device: DeviceOption = "auto",
+    precision: Annotated[Precision | None, typer.Option("--precision", help=PRECISION_HELP)] = None,
+    max_steps: Annotated[int | None, typer.Option("--max-steps", help="Stop after N optimizer steps "
+                                                                      "(train.max_steps).")] = None,
+    max_time: Annotated[float | None, typer.Option("--max-time", help="Stop after MINUTES of training "
+                                                                      "(train.max_time).")] = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last "
+                                                          "checkpoint.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory.")] = False,
+    as_json: JsonOption = False,
 ) -> None:
     """Train the recipe's model: tokenizer, training with validation, checkpoints, averaging."""
     if resume and overwrite:
@@ -38,7 +41,7 @@ def train(
     sets, flags = list(overrides), {}
     for key, value in (("precision", precision), ("max_steps", max_steps), ("max_time", max_time)):
         if value is not None:
-            sets.append(f"train.{key}={json.dumps(value)}")
+            sets.append(f"train.{key}={json.dumps(getattr(value, 'value', value))}")
             flags[f"--set train.{key}:"] = f"--{key.replace('_', '-')}:"
     try:
         cfg = load_recipe(recipe, sets)
@@ -48,16 +51,17 @@ def train(
     with TrainDisplay() as display:
         result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
                      on_event=display, recipe_path=recipe)
+    best = result.best or {}
     summary = {"run": result.run_dir, "steps": result.steps, "epochs": round(result.epochs, 2),
                "stopped by": result.stop_reason, "minutes": result.train_seconds / 60,
-               "best step": (result.best or {}).get("step"),
-               **{f"best valid {key}": result.best[key] for key in ("bleu", "accuracy") if key in (result.best or {})},
-               "best valid loss": (result.best or {}).get("loss"), "loop overhead %": 100 * result.loop_overhead,
+               "best step": best.get("step"),
+               **{f"best valid {key}": best[key] for key in ("bleu", "accuracy") if key in best},
+               "best valid loss": best.get("loss"), "loop overhead %": 100 * result.loop_overhead,
                "peak memory MB": result.peak_memory_mb, "device": result.device, "precision": result.precision}
     if as_json:
         typer.echo(json.dumps(summary))
     else:
-        Console().print(score_table("training", summary))
+        stdout.print(score_table("training", summary))
     if result.stop_reason == "interrupted":
         # the run's own recipe.toml holds every --set and limit it was started with
         run_dir = shlex.quote(result.run_dir)

@@ -1,5 +1,5 @@
 """Naive, obviously-correct maths that the model is checked against. Loops over heads and
-positions on purpose: nothing here shares code with xformer."""
+positions on purpose: nothing here shares code with xformer (no xformer import at all)."""
 
 import math
 
@@ -34,3 +34,149 @@ def naive_sinusoid(n_positions, d_model):
             table[p, i] = math.sin(angle)
             table[p, i + 1] = math.cos(angle)
     return table
+
+
+def naive_norm(x, weight, bias, kind, eps):
+    """LayerNorm, (x - mean) / sqrt(var + eps) * w + b, or RMSNorm, x / sqrt(mean(x^2) + eps) * w,
+    over the last dimension (biased variance, as both papers define it)."""
+    if kind == "rmsnorm":
+        return x / torch.sqrt((x * x).mean(-1, keepdim=True) + eps) * weight
+    mean = x.mean(-1, keepdim=True)
+    var = ((x - mean) ** 2).mean(-1, keepdim=True)
+    return (x - mean) / torch.sqrt(var + eps) * weight + bias
+
+
+def naive_rotate(x, base=10000.0):
+    """RoPE of x: (B, H, T, Dh) at positions 0..T-1, one position and one pair at a time: features
+    (i, i + Dh/2) are the complex number x_i + j x_(i + Dh/2), multiplied by exp(j p base^(-2i/Dh))."""
+    t, dh = x.shape[-2], x.shape[-1]
+    half = dh // 2
+    out = torch.empty_like(x)
+    for p in range(t):
+        for i in range(half):
+            angle = p * base ** (-2 * i / dh)
+            z = torch.complex(x[..., p, i], x[..., p, i + half]) * complex(math.cos(angle), math.sin(angle))
+            out[..., p, i], out[..., p, i + half] = z.real, z.imag
+    return out
+
+
+# A Transformer written from the papers, reading the weights of an xformer model by their
+# state_dict names and the architecture from its ModelConfig `cfg`. Everything runs in float64.
+
+
+def _linear(w, name, x):
+    y = x @ w[f"{name}.weight"].T
+    return y + w[f"{name}.bias"] if f"{name}.bias" in w else y
+
+
+def _attention(w, name, cfg, x, source, allowed, rotate):
+    """Multi-head attention of queries x (B, T, D) over source (B, S, D); allowed: (B, T, S)."""
+    b, t, d = x.shape
+    dh = d // cfg.n_heads
+
+    def heads(y, n):  # (B, L, n * Dh) -> (B, n, L, Dh)
+        return y.reshape(b, y.shape[1], n, dh).transpose(1, 2)
+
+    q = heads(_linear(w, f"{name}.q_proj", x), cfg.n_heads)
+    k = heads(_linear(w, f"{name}.k_proj", source), cfg.kv_heads)
+    v = heads(_linear(w, f"{name}.v_proj", source), cfg.kv_heads)
+    if rotate:
+        q, k = naive_rotate(q), naive_rotate(k)
+    out, _ = naive_attention(q, k, v, allowed)
+    return _linear(w, f"{name}.out_proj", out.transpose(1, 2).reshape(b, t, d))
+
+
+def _ffn(w, name, cfg, x):
+    h = _linear(w, f"{name}.fc1", x)
+    if cfg.activation == "gelu":
+        h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+    else:
+        h = h.clamp(min=0)
+    return _linear(w, f"{name}.fc2", h)
+
+
+def _norm(w, name, cfg, x):
+    return naive_norm(x, w[f"{name}.weight"], w.get(f"{name}.bias"), cfg.norm, cfg.norm_eps)
+
+
+def _embed(w, name, cfg, tokens, front=None):
+    """Token embeddings (times sqrt(D) when scaled), then `front` vectors (1, P, D) prepended,
+    then absolute positions 0.. added (RoPE adds none here)."""
+    x = w[f"{name}.embedding.weight"][tokens] * (math.sqrt(cfg.d_model) if cfg.scale_embeddings else 1.0)
+    if front is not None:
+        x = torch.cat([front.expand(x.shape[0], -1, -1), x], dim=1)
+    if cfg.positional == "sinusoidal":
+        x = x + naive_sinusoid(x.shape[1], cfg.d_model)
+    elif cfg.positional == "learned":
+        x = x + w[f"{name}.positional.embedding.weight"][: x.shape[1]]
+    return x
+
+
+def _encoder(w, cfg, x, pad):
+    """x: (B, S, D) embedded, pad: (B, S) True at padding -> (B, S, D)."""
+    s = x.shape[1]
+    allowed = (~pad)[:, None, :].expand(-1, s, s)
+    rope = cfg.positional == "rope"
+    for i in range(cfg.n_encoder_layers):
+        layer = f"encoder.layers.{i}"
+        if cfg.norm_position == "pre":
+            h = _norm(w, f"{layer}.self_attn_norm", cfg, x)
+            x = x + _attention(w, f"{layer}.self_attn", cfg, h, h, allowed, rope)
+            x = x + _ffn(w, f"{layer}.ffn", cfg, _norm(w, f"{layer}.ffn_norm", cfg, x))
+        else:
+            attended = _attention(w, f"{layer}.self_attn", cfg, x, x, allowed, rope)
+            x = _norm(w, f"{layer}.self_attn_norm", cfg, x + attended)
+            x = _norm(w, f"{layer}.ffn_norm", cfg, x + _ffn(w, f"{layer}.ffn", cfg, x))
+    return _norm(w, "encoder.final_norm", cfg, x) if cfg.norm_position == "pre" else x
+
+
+def naive_seq2seq(cfg, weights, src, tgt, pad_id=0):
+    """Logits (B, T, V) of an encoder-decoder with weights `weights` (a state_dict) for
+    source src (B, S) and decoder input tgt (B, T), both right-padded with pad_id."""
+    w = {name: value.double() for name, value in weights.items()}
+    src_pad = src == pad_id
+    memory = _encoder(w, cfg, _embed(w, "encoder.embed", cfg, src), src_pad)
+    b, t = tgt.shape
+    causal = torch.ones(t, t, dtype=torch.bool).tril()[None].expand(b, t, t)
+    cross = (~src_pad)[:, None, :].expand(b, t, src.shape[1])
+    rope = cfg.positional == "rope"  # self-attention only; cross-attention is position-free
+    x = _embed(w, "decoder.embed", cfg, tgt)
+    for i in range(cfg.n_decoder_layers):
+        layer = f"decoder.layers.{i}"
+        if cfg.norm_position == "pre":
+            h = _norm(w, f"{layer}.self_attn_norm", cfg, x)
+            x = x + _attention(w, f"{layer}.self_attn", cfg, h, h, causal, rope)
+            h = _norm(w, f"{layer}.cross_attn_norm", cfg, x)
+            x = x + _attention(w, f"{layer}.cross_attn", cfg, h, memory, cross, False)
+            x = x + _ffn(w, f"{layer}.ffn", cfg, _norm(w, f"{layer}.ffn_norm", cfg, x))
+        else:
+            attended = _attention(w, f"{layer}.self_attn", cfg, x, x, causal, rope)
+            x = _norm(w, f"{layer}.self_attn_norm", cfg, x + attended)
+            attended = _attention(w, f"{layer}.cross_attn", cfg, x, memory, cross, False)
+            x = _norm(w, f"{layer}.cross_attn_norm", cfg, x + attended)
+            x = _norm(w, f"{layer}.ffn_norm", cfg, x + _ffn(w, f"{layer}.ffn", cfg, x))
+    if cfg.norm_position == "pre":
+        x = _norm(w, "decoder.final_norm", cfg, x)
+    return x @ w["output.weight"].T
+
+
+def naive_classifier(cfg, weights, tokens, pad_id=0):
+    """Logits (B, C) of an encoder classifier for right-padded tokens (B, S): pooling "cls"
+    classifies the final state of a learned vector put before position 0, "mean" the mean of
+    the real positions' final states, "last" the final state of the last real token."""
+    w = {name: value.double() for name, value in weights.items()}
+    pad = tokens == pad_id
+    front = w["cls"] if cfg.pooling == "cls" else None
+    if front is not None:
+        pad = torch.cat([torch.zeros(pad.shape[0], 1, dtype=torch.bool), pad], dim=1)
+    h = _encoder(w, cfg, _embed(w, "encoder.embed", cfg, tokens, front), pad)
+    pooled = []
+    for row, row_pad in zip(h, pad, strict=True):
+        real = (~row_pad).nonzero().flatten()
+        if cfg.pooling == "cls":
+            pooled.append(row[0])
+        elif cfg.pooling == "last":
+            pooled.append(row[real.max()])
+        else:
+            pooled.append(row[real].mean(0))
+    return _linear(w, "head", torch.stack(pooled))

@@ -17,9 +17,10 @@ from xformer.data.classify import (
     generated_splits,
 )
 from xformer.errors import DataError, RecipeError
-from xformer.model.build import build_for_recipe, build_model, count_parameters
+from xformer.instrument import PeakMemory
+from xformer.model.build import build_model, count_parameters
 from xformer.recipe_io import recipe_from_dict
-from xformer.runtime import PeakMemory
+from xformer.tasks import build_for_recipe
 
 BASE = {"train": {"max_steps": 5}}
 
@@ -41,10 +42,11 @@ def test_classification_recipes_validate_per_task_and_arch():
                                                                        data={"task": "recall"}))
     assert any("model.pooling" in p for p in problems(model={"arch": "classifier", "pooling": "max"},
                                                       data={"task": "recall"}))
-    assert any("expected 'classifier' or 'lstm'" in p for p in problems(data={"task": "listops"}))
+    assert any("data.task = 'listops' needs 'classifier' or 'lstm', found 'seq2seq'" in p
+               for p in problems(data={"task": "listops"}))
     assert any("data.tokenizer: applies only when" in p
                for p in problems(model={"arch": "classifier"}, data={"task": "recall", "tokenizer": "char"}))
-    assert any("train.best_metric: 'bleu'" in p
+    assert any("train.best_metric: data.task = 'recall' validates by 'accuracy' or 'loss', found 'bleu'" in p
                for p in problems(model={"arch": "classifier"}, data={"task": "recall"}, train={"best_metric": "bleu"}))
     assert any("model.lstm_hidden: applies only when" in p for p in problems(model={"lstm_hidden": 3}))
     assert any("data.tokenizer: translation uses" in p for p in problems(data={"tokenizer": "byte"}))
@@ -58,7 +60,7 @@ def test_a_saved_classification_recipe_reloads_equal():
 
 
 def test_every_example_is_batched_once_per_epoch_within_the_budget():
-    examples = generated_splits("listops", 300, 10, 10, 64, 0, 4, 8)["train"]
+    examples = generated_splits("listops", 300, 10, 10, 64, 0)["train"]
     batches = ClassBatches(examples, 600, seed=3)
     for epoch in (0, 1):
         plan = batches.batches(epoch)
@@ -79,9 +81,10 @@ def test_every_example_is_batched_once_per_epoch_within_the_budget():
 
 
 def test_a_length_curriculum_runs_its_stages_in_order_then_the_full_epochs_and_resumes_anywhere():
-    final = ClassBatches(generated_splits("recall", 40, 5, 5, 32, 0, 1, 2)["train"], 33 * 8, seed=3)
-    short = ClassBatches(curriculum_examples("recall", 30, 8, 0, 1, 2), 9 * 8, seed=3)
-    middle = ClassBatches(curriculum_examples("recall", 30, 16, 0, 1, 2), 17 * 8, seed=3)
+    final = ClassBatches(generated_splits("recall", 40, 5, 5, 32, 0, (("n_pairs", 2), ("n_queries", 1)))["train"],
+                         33 * 8, seed=3)
+    short = ClassBatches(curriculum_examples("recall", 30, 8, 0, n_queries=1, n_pairs=2), 9 * 8, seed=3)
+    middle = ClassBatches(curriculum_examples("recall", 30, 16, 0, n_queries=1, n_pairs=2), 17 * 8, seed=3)
     staged = StagedBatches([(short, 9), (middle, 2)], final)  # 9 > one epoch of `short`: cycled
     assert len(short) == 4 and len(staged) == 9 + 2 + len(final)
     epoch0 = list(staged.iter_epoch(0))
@@ -96,8 +99,8 @@ def test_a_length_curriculum_runs_its_stages_in_order_then_the_full_epochs_and_r
     later = list(staged.iter_epoch(1, skip=1))
     assert [b["tokens"].tolist() for b in later] == [b["tokens"].tolist() for b in final.iter_epoch(1, skip=1)]
     # a stage's examples are its own: not a prefix of the train split, and deterministic
-    assert curriculum_examples("recall", 30, 32, 0, 1, 2).sequence(0) != final.examples.sequence(0)
-    assert curriculum_examples("recall", 30, 8, 0, 1, 2).sequence(5) == short.examples.sequence(5)
+    assert curriculum_examples("recall", 30, 32, 0, n_queries=1, n_pairs=2).sequence(0) != final.examples.sequence(0)
+    assert curriculum_examples("recall", 30, 8, 0, n_queries=1, n_pairs=2).sequence(5) == short.examples.sequence(5)
 
 
 def test_curriculum_stages_are_validated_and_skipped_at_or_above_max_len():
@@ -115,14 +118,14 @@ def test_curriculum_stages_are_validated_and_skipped_at_or_above_max_len():
 
 
 def test_generated_splits_are_deterministic_and_differ_per_split_and_seed():
-    a = generated_splits("recall", 50, 20, 20, 32, 5, 4, 8)
-    b = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 5, 4, 8)  # bypass the cache
+    a = generated_splits("recall", 50, 20, 20, 32, 5, (("n_pairs", 8), ("n_queries", 4)))
+    b = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 5, (("n_pairs", 8), ("n_queries", 4)))  # no cache
     assert all(np.array_equal(a[s].ids, b[s].ids) and np.array_equal(a[s].labels, b[s].labels) for s in a)
     assert not np.array_equal(a["valid"].ids, a["test"].ids)
-    c = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 6, 4, 8)
+    c = generated_splits.__wrapped__("recall", 50, 20, 20, 32, 6, (("n_pairs", 8), ("n_queries", 4)))
     assert not np.array_equal(a["train"].ids, c["train"].ids)
     with pytest.raises(DataError, match="data.max_len = 6"):
-        generated_splits.__wrapped__("recall", 5, 5, 5, 6, 0, 4, 8)
+        generated_splits.__wrapped__("recall", 5, 5, 5, 6, 0, (("n_pairs", 8), ("n_queries", 4)))
 
 
 def test_text_encoders_truncate_and_map_unknowns():

@@ -1,6 +1,8 @@
 import json
 from pathlib import Path
 
+import pytest
+import typer
 from typer.testing import CliRunner
 
 from xformer_cli.main import app
@@ -10,10 +12,21 @@ RECIPE = ROOT / "recipes" / "translation" / "multi30k_de_en.toml"
 runner = CliRunner()
 
 
-def test_help_lists_the_commands():
-    result = runner.invoke(app, ["--help"])
-    assert result.exit_code == 0
-    assert "check" in result.stdout
+def test_every_command_in_help_answers_its_own_help_with_a_usage_naming_its_arguments():
+    top = runner.invoke(app, ["--help"], terminal_width=100)
+    assert top.exit_code == 0, top.output
+    listing = top.stdout.split("\nCommands:\n", 1)[1].splitlines()
+    described = dict(line.split(None, 1) for line in listing if line.strip())  # name -> summary
+    registered = {name: command for name, command in typer.main.get_command(app).commands.items()
+                  if not command.hidden}
+    assert set(described) == set(registered)  # every command listed, nothing listed that is not one
+    for name, command in registered.items():
+        arguments = [p.name.upper() if p.required else f"[{p.name.upper()}]"
+                     for p in command.params if p.param_type_name == "argument"]
+        result = runner.invoke(app, [name, "--help"], terminal_width=100)
+        assert result.exit_code == 0, (name, result.output)
+        assert result.stdout.splitlines()[0] == " ".join(["Usage: xformer", name, "[OPTIONS]", *arguments])
+        assert described[name].strip(), f"{name} has no summary in --help"
 
 
 def test_check_prints_config_and_parameters():
@@ -26,7 +39,7 @@ def test_check_json_is_one_object():
     result = runner.invoke(app, ["check", str(RECIPE), "--json", "--set", "model.n_kv_heads=2"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout)
-    assert set(report) == {"config", "parameters"}
+    assert set(report) == {"config", "derived", "parameters"}
     assert set(report["parameters"]) == {"total", "embedding", "non_embedding"}
     assert report["config"]["model"]["n_kv_heads"] == 2
     p = report["parameters"]
@@ -128,14 +141,51 @@ def test_the_heads_table_keeps_its_headers_at_80_columns():
 
     from rich.console import Console
 
+    from xformer.results import HeadsReport
     from xformer_cli.heads import heads_table
 
     head = {"space": "decoder cross", "layer": 2, "head": 3, "ablation": 0.1234, "gradient": 0.5, "confidence": 0.9,
             "entropy": 1.2, "special": 0.3, "roles": ["positional -1", "special", "rare-word"]}
-    report = {"ablate": "zero", "importance_metric": "loss", "n_examples": 500, "heads": [head]}
+    report = HeadsReport(run="r", kind="translation", split="validation", data=None, n_examples=500,
+                         importance_metric="loss", ablate="zero", base_metric=1.0, heads=[head], kv_groups={},
+                         rank_correlation={}, similarity={}, criteria={}, syntactic="")
     console = Console(file=io.StringIO(), width=80, force_terminal=False)
     console.print(heads_table(report))
     text = console.file.getvalue()
     for header in ("attention", "head", "ablation", "grad.", "conf.", "entropy", "special", "roles"):
         assert header in text, text
     assert "…" not in text
+
+
+CHOICES = [  # (command, option, the core's words, a word the core does not have)
+    ("train", "--precision", "auto|fp32|bf16|fp16", "fp64"),
+    ("inspect-heads", "--importance", "loss|bleu|accuracy", "perplexity"),
+    ("inspect-heads", "--ablate", "zero|mean|rescale|renorm", "noise"),
+    ("inspect-heads", "--prune-order", "one-shot|gradient|greedy", "random"),
+    ("tokenize", "--side", "source|target", "both"),
+]
+
+
+@pytest.mark.parametrize(("command", "option", "words", "bad"), CHOICES)
+def test_choice_options_list_the_core_words_and_refuse_others(command, option, words, bad, tmp_path):
+    """Choice options are Enums built from the core's own words: --help lists them and click
+    refuses another word with exit 2 before any work is done."""
+    shown = runner.invoke(app, [command, "--help"], terminal_width=200)
+    assert f"{option} <{words}>" in shown.stdout, shown.stdout
+    argument = str(tmp_path / "not-read")
+    refused = runner.invoke(app, [command, argument, option, bad])
+    assert refused.exit_code == 2
+    assert f"'{bad}' is not one of " + ", ".join(f"'{w}'" for w in words.split("|")) in refused.output
+
+
+def test_the_enums_are_the_core_choices():
+    import typing
+
+    from xformer import config
+    from xformer.heads.analyse import ABLATIONS, IMPORTANCE_METRICS, PRUNE_ORDERS
+    from xformer_cli import common
+
+    assert [p.value for p in common.Precision] == list(typing.get_args(config.Precision))
+    assert [p.value for p in common.Importance] == list(IMPORTANCE_METRICS)
+    assert [p.value for p in common.Ablation] == list(ABLATIONS)
+    assert [p.value for p in common.PruneOrder] == list(PRUNE_ORDERS)

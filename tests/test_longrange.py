@@ -254,7 +254,7 @@ def test_an_interrupted_sweep_resumes_the_cut_run_and_rescores_a_trained_one(tmp
     starts = {p["key"]: p["resume"] for kind, p in events if kind == "row_start"}
     assert starts == {"transformer-L24-s1": False, "lstm-L24-s1": True}
     assert (out / "runs" / "transformer-L24-s1" / "checkpoints" / "best.safetensors").stat().st_mtime_ns == trained
-    assert [r["steps"] for r in comparison["rows"]] == [9, 9]
+    assert [r["steps"] for r in comparison.rows] == [9, 9]
 
 
 def test_a_single_file_corpus_cannot_train(tmp_path, reviews):
@@ -266,17 +266,18 @@ def test_a_single_file_corpus_cannot_train(tmp_path, reviews):
 
 def test_an_encoder_made_from_other_data_is_refused(tmp_path):
     from xformer.errors import RunError
-    from xformer.jobs import check_encoder, encoder_settings
+    from xformer.tasks import make_task
+    from xformer.tasks.classification import check_encoder
 
-    recall = load_recipe(RECALL)
+    recall = make_task(load_recipe(RECALL))
     encoder_dir = tmp_path / "tokenizer"
     encoder_dir.mkdir()
     (encoder_dir / "encoder.json").write_text(json.dumps({"kind": "task", "vocab": [], "labels": [],
-                                                              "settings": encoder_settings(recall)}))
-    check_encoder(recall, encoder_dir)  # the same task: fine
-    listops = load_recipe(ROOT / "recipes" / "longrange" / "listops_transformer.toml")
+                                                              "settings": recall.encoder_settings()}))
+    check_encoder(encoder_dir, recall.encoder_settings())  # the same task: fine
+    listops = make_task(load_recipe(ROOT / "recipes" / "longrange" / "listops_transformer.toml"))
     with pytest.raises(RunError, match="data.task = 'recall'"):
-        check_encoder(listops, encoder_dir)
+        check_encoder(encoder_dir, listops.encoder_settings())
 
 
 def test_a_sweep_length_the_task_cannot_have_is_refused_before_training(tmp_path):

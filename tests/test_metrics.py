@@ -1,5 +1,6 @@
 import math
 
+import numpy as np
 import pytest
 
 from xformer.metrics import accuracy, confusion_matrix, translation_scores
@@ -66,12 +67,39 @@ def test_length_mismatch_is_an_error():
         translation_scores(["a", "b"], ["a"])
 
 
-def test_accuracy_and_confusion_matrix():
+def test_confusion_matrix_rows_are_true_labels_and_columns_predictions():
+    # Asymmetric on purpose: the transpose [[1, 0], [2, 1]] would be a different answer.
+    assert confusion_matrix([0, 1, 1, 1], [0, 0, 0, 1], 2) == [[1, 2], [0, 1]]
     labels = [0, 0, 1, 2, 2, 2]
     predictions = [0, 1, 1, 2, 0, 2]
-    assert accuracy(predictions, labels) == pytest.approx(4 / 6)
     assert confusion_matrix(predictions, labels, 3) == [[1, 1, 0], [0, 1, 0], [1, 0, 2]]
-    with pytest.raises(ValueError):
-        confusion_matrix([3], [0], 3)
-    with pytest.raises(ValueError):
+
+
+def test_confusion_matrix_takes_arrays_and_returns_plain_ints():
+    counts = confusion_matrix(np.array([0, 1, 1, 1]), np.array([0, 0, 0, 1], dtype=np.int32), 3)
+    assert counts == [[1, 2, 0], [0, 1, 0], [0, 0, 0]]  # a class nobody predicted or has still gets its row
+    assert all(type(c) is int for row in counts for c in row)  # JSON-serialisable
+
+
+def test_accuracy_is_a_percentage():
+    assert accuracy([0, 1, 1, 1], [0, 0, 0, 1]) == pytest.approx(50.0)
+    assert accuracy(np.array([2, 2, 0]), np.array([2, 2, 0])) == 100.0
+    assert accuracy([1, 0, 1], [0, 1, 0]) == 0.0
+    assert type(accuracy(np.array([1]), np.array([1]))) is float
+
+
+def test_no_examples_score_zero_and_count_nothing():
+    assert accuracy([], []) == 0.0
+    assert accuracy(np.array([], dtype=np.int64), np.array([], dtype=np.int64)) == 0.0
+    assert confusion_matrix([], [], 2) == [[0, 0], [0, 0]]
+
+
+def test_mismatched_lengths_and_unknown_classes_are_errors():
+    with pytest.raises(ValueError, match="1 predictions but 2 labels"):
         accuracy([0], [0, 1])
+    with pytest.raises(ValueError, match="1 predictions but 2 labels"):
+        confusion_matrix([0], [0, 1], 2)
+    with pytest.raises(ValueError, match="found prediction 3"):
+        confusion_matrix([3], [0], 3)
+    with pytest.raises(ValueError, match="found label -1"):
+        confusion_matrix([0], [-1], 3)

@@ -5,16 +5,18 @@ import torch
 import torch.nn.functional as F
 
 from xformer.config import TrainConfig
-from xformer.optim import learning_rate, rdrop_kl, sequence_loss
+from xformer.losses import rdrop_kl, sequence_loss
+from xformer.optim import learning_rate
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
-def test_loss_and_gradient_equal_torch_cross_entropy(eps):
+@pytest.mark.parametrize("fused", [True, False])  # the fast path and the plain one it replaces
+def test_loss_and_gradient_equal_torch_cross_entropy(eps, fused):
     logits = torch.randn(6, 5, 11, dtype=torch.float64, requires_grad=True)
     target = torch.randint(1, 11, (6, 5))
     target[0, 3:] = 0
     target[4, 1:] = 0
-    ours = sequence_loss(logits, target, pad_id=0, label_smoothing=eps)
+    ours = sequence_loss(logits, target, pad_id=0, label_smoothing=eps, fused=fused)
     (g_ours,) = torch.autograd.grad(ours, logits)
     ref = F.cross_entropy(logits.flatten(0, 1), target.flatten(), ignore_index=0, label_smoothing=eps,
                           reduction="sum")
@@ -70,9 +72,9 @@ def test_rdrop_kl_is_the_mean_of_both_kl_directions():
 @pytest.mark.parametrize("index_rows", [True, False])  # the CPU path (real rows) and the CUDA path (pad masked)
 def test_rdrop_without_dropout_is_the_plain_loss_and_with_dropout_adds_a_positive_term(index_rows):
     from xformer.config import ModelConfig
-    from xformer.jobs import translation_loss
     from xformer.model.build import build_model
     from xformer.runtime import resolve_runtime
+    from xformer.tasks.translation import translation_loss
 
     rt = resolve_runtime("cpu", "fp32")
     torch.manual_seed(0)
@@ -96,9 +98,9 @@ def test_rdrop_without_dropout_is_the_plain_loss_and_with_dropout_adds_a_positiv
 
 def test_rdrop_for_a_classifier_is_the_plain_loss_without_dropout_and_adds_kl_with_it():
     from xformer.config import ModelConfig, Recipe
-    from xformer.jobs import ClassificationJob
     from xformer.model.build import build_model
     from xformer.runtime import resolve_runtime
+    from xformer.tasks.classification import ClassificationTask
 
     rt = resolve_runtime("cpu", "fp32")
     torch.manual_seed(0)
@@ -111,6 +113,6 @@ def test_rdrop_for_a_classifier_is_the_plain_loss_without_dropout_and_adds_kl_wi
         for alpha in (0.0, 1e-9, 5.0):
             recipe = Recipe(model=cfg, train=TrainConfig(rdrop_alpha=alpha))
             torch.manual_seed(1)
-            losses[dropout, alpha] = ClassificationJob(recipe).loss(model, batch, rt).item()
+            losses[dropout, alpha] = ClassificationTask(recipe).loss(model, batch, rt).item()
     assert losses[0.0, 5.0] == pytest.approx(losses[0.0, 0.0], rel=1e-5)
     assert losses[0.3, 5.0] > losses[0.3, 1e-9] + 1e-4

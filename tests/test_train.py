@@ -14,6 +14,7 @@ from xformer.checkpoint import read_checkpoint
 from xformer.errors import RunError
 from xformer.evaluate import evaluate_run
 from xformer.recipe_io import load_recipe
+from xformer.results import TranslationEval
 from xformer.train import run
 from xformer_cli.main import app
 
@@ -111,6 +112,19 @@ def test_the_precision_and_its_reason_are_recorded_and_logs_come_by_time(corpus,
     assert steps == [1, 2, 3, 4, 5, 6]
 
 
+def test_the_fast_paths_train_what_the_plain_paths_train(corpus, tmp_path):
+    """train.fast_paths = false swaps in nn.Dropout and F.cross_entropy: without dropout (the
+    masks draw differently) the two runs agree to float rounding, step by step."""
+    losses = {}
+    for fast in (True, False):
+        out = tmp_path / f"fast_{fast}"
+        run(tiny_recipe(corpus, "train.max_steps=10", "train.log_every=1", "model.dropout=0.0",
+                        f"train.fast_paths={str(fast).lower()}"), out, device="cpu")
+        losses[fast] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+                        if json.loads(line)["kind"] == "train"]
+    assert len(losses[True]) == 10 and losses[True] == pytest.approx(losses[False], rel=1e-4)
+
+
 def test_resume_refuses_a_different_model(corpus, trained):
     out, _ = trained
     with pytest.raises(RunError, match=r"different \[model\] values \(d_model\)"):
@@ -126,12 +140,11 @@ def test_a_run_is_never_overwritten_silently(corpus, trained):
 def test_evaluate_writes_scores_and_hypotheses(trained, corpus):
     out, _ = trained
     report = evaluate_run(out, checkpoint="last", device="cpu")
-    assert report["n_sentences"] == 40
-    assert {"bleu", "bleu_lc", "chrf", "signature", "n_sentences"} <= set(report)
-    assert "case:mixed" in report["signature"]
+    assert isinstance(report, TranslationEval) and report.n_sentences == 40
+    assert "case:mixed" in report.signature
     saved = json.loads((out / "eval.json").read_text())
-    assert saved["bleu"] == report["bleu"]
-    hyps = Path(report["hypotheses"]).read_text(encoding="utf-8").splitlines()
+    assert saved == report.to_dict()  # the file holds exactly the returned result
+    hyps = Path(report.hypotheses).read_text(encoding="utf-8").splitlines()
     assert len(hyps) == 40
 
 
@@ -245,7 +258,7 @@ def test_overwrite_only_replaces_run_directories(corpus, tmp_path):
 
 
 def test_an_existing_tokenizer_must_match_the_recipe(trained, corpus, tmp_path):
-    from xformer.tokenize import ensure_tokenizer
+    from xformer.tasks.translation import ensure_tokenizer
 
     out, _ = trained
     with pytest.raises(RunError, match="trained with vocab_size = 300; the recipe says vocab_size = 400"):

@@ -1,3 +1,10 @@
+"""The Seq2Seq and Classifier models over the VARIANTS below: parity with torch.nn.Transformer
+(weights copied) and with the naive model of tests/reference.py, and the degenerate equivalences
+(GQA = MHA with repeated key/value heads, KV-cache decoding = full forward, padding and future
+tokens change nothing they should not, RoPE ignores a shift of every position)."""
+
+import contextlib
+import dataclasses
 import math
 import typing
 
@@ -5,7 +12,7 @@ import pytest
 import torch
 from torch import nn
 
-from tests.reference import naive_sinusoid
+from tests.reference import naive_classifier, naive_norm, naive_seq2seq, naive_sinusoid
 from xformer import config
 from xformer.config import ModelConfig
 from xformer.model.build import build_model, count_parameters
@@ -15,11 +22,38 @@ from xformer.model.positional import POSITIONAL, RotaryPositional, SinusoidalPos
 
 D, H, FF, V, PAD = 32, 4, 64, 13, 0
 
+# Flag combinations the model-level tests run over: every value of every axis appears at least
+# once, and RoPE, GQA / MQA, RMSNorm and Pre-LN also appear together.
+VARIANTS = {
+    "post-ln": {},
+    "pre-ln-gelu": {"norm_position": "pre", "activation": "gelu"},
+    "learned-explicit": {"positional": "learned", "attention_backend": "explicit"},
+    "learned-unscaled-pre-ln": {"positional": "learned", "scale_embeddings": False, "norm_position": "pre"},
+    "rmsnorm": {"norm": "rmsnorm"},
+    "rmsnorm-pre-ln-gqa": {"norm": "rmsnorm", "norm_position": "pre", "n_kv_heads": 2},
+    "mqa-explicit": {"n_kv_heads": 1, "attention_backend": "explicit"},
+    "rope": {"positional": "rope"},
+    "rope-gqa-rmsnorm-pre-ln": {"positional": "rope", "n_kv_heads": 2, "norm": "rmsnorm", "norm_position": "pre",
+                                "activation": "gelu"},
+    "rope-mqa-explicit": {"positional": "rope", "n_kv_heads": 1, "attention_backend": "explicit"},
+}
+# torch.nn.Transformer takes its input already embedded, so any absolute position encoding fits.
+TORCH_EXPRESSIBLE = [name for name, overrides in VARIANTS.items() if overrides.get("positional") != "rope"]
+
 
 def tiny(**overrides) -> ModelConfig:
     args = dict(d_model=D, n_heads=H, d_ff=FF, n_encoder_layers=2, n_decoder_layers=2, dropout=0.0,
                 tie_embeddings="none")
     return ModelConfig(**{**args, **overrides})
+
+
+def tiny_model(variant: str, **overrides):
+    """A tiny model of VARIANTS[variant] in eval mode, every parameter random."""
+    cfg = tiny(**{**VARIANTS[variant], **overrides})
+    n_classes = 3 if cfg.arch == "classifier" else None
+    model = build_model(cfg, V, n_classes=n_classes, pad_id=PAD).eval()
+    randomize_(model)
+    return cfg, model
 
 
 def batch(lengths, max_len, vocab=V, generator=None):
@@ -35,6 +69,46 @@ def randomize_(model):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_(torch.randn_like(p) * p.std().clamp(min=0.1) + (1.0 if (p == 1).all() else 0.0))
+
+
+def repeat_kv_heads(state: dict, n_heads: int, n_kv_heads: int) -> dict:
+    """A GQA state_dict made MHA: each key/value head's rows repeated for the H / K query heads
+    that read it (query head h reads key/value head h // (H / K))."""
+    out = {}
+    for name, value in state.items():
+        if name.endswith(("k_proj.weight", "k_proj.bias", "v_proj.weight", "v_proj.bias")):
+            value = value.unflatten(0, (n_kv_heads, -1)).repeat_interleave(n_heads // n_kv_heads, 0).flatten(0, 1)
+        out[name] = value
+    return out
+
+
+@contextlib.contextmanager
+def torch_slow_path():
+    """torch.nn.Transformer's layers as written in Python, not its fused inference kernel
+    (which reads norm1.bias directly, and RMSNorm has none)."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+def torch_transformer(cfg: ModelConfig) -> nn.Transformer:
+    """torch.nn.Transformer in cfg's shape; for RMSNorm, torch.nn.RMSNorm in every norm slot."""
+    ref = nn.Transformer(D, H, cfg.n_encoder_layers, cfg.n_decoder_layers, FF, dropout=0.0,
+                         activation=cfg.activation, layer_norm_eps=cfg.norm_eps, batch_first=True,
+                         norm_first=cfg.norm_position == "pre").eval()
+    if cfg.norm == "rmsnorm":
+        for layer in [*ref.encoder.layers, *ref.decoder.layers]:
+            for slot in ("norm1", "norm2", "norm3"):
+                if hasattr(layer, slot):
+                    setattr(layer, slot, nn.RMSNorm(D, eps=cfg.norm_eps))
+        ref.encoder.norm, ref.decoder.norm = nn.RMSNorm(D, eps=cfg.norm_eps), nn.RMSNorm(D, eps=cfg.norm_eps)
+    if cfg.norm_position == "post":  # Vaswani / fairseq Post-LN has no final norm; torch adds one
+        ref.encoder.norm = None
+        ref.decoder.norm = None
+    return ref
 
 
 def copy_into_torch_transformer(model, ref: nn.Transformer):
@@ -58,8 +132,11 @@ def copy_into_torch_transformer(model, ref: nn.Transformer):
 
 
 def copy_attention_back(ours, ref):
-    ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, ours.k_proj.weight, ours.v_proj.weight]))
-    ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, ours.k_proj.bias, ours.v_proj.bias]))
+    """Into torch's MHA; a GQA / MQA module's key/value heads repeated for their query heads."""
+    state = repeat_kv_heads({f"{name}.{p}": getattr(getattr(ours, name), p) for name in ("k_proj", "v_proj")
+                             for p in ("weight", "bias")}, ours.n_heads, ours.n_kv_heads)
+    ref.in_proj_weight.copy_(torch.cat([ours.q_proj.weight, state["k_proj.weight"], state["v_proj.weight"]]))
+    ref.in_proj_bias.copy_(torch.cat([ours.q_proj.bias, state["k_proj.bias"], state["v_proj.bias"]]))
     ref.out_proj.weight.copy_(ours.out_proj.weight)
     ref.out_proj.bias.copy_(ours.out_proj.bias)
 
@@ -69,58 +146,105 @@ def copy_ffn_back(ours, layer):
     layer.linear2.load_state_dict(ours.fc2.state_dict())
 
 
-@pytest.mark.parametrize("backend", ["sdpa", "explicit"])
-@pytest.mark.parametrize("norm_position,activation", [("post", "relu"), ("pre", "gelu")])
-def test_seq2seq_equals_torch_transformer(backend, norm_position, activation):
-    cfg = tiny(attention_backend=backend, norm_position=norm_position, activation=activation)
-    model = build_model(cfg, V, pad_id=PAD).eval()
-    randomize_(model)
-    ref = nn.Transformer(D, H, 2, 2, FF, dropout=0.0, activation=activation, batch_first=True,
-                         norm_first=norm_position == "pre").eval()
-    if norm_position == "post":  # Vaswani / fairseq Post-LN has no final norm; torch adds one
-        ref.encoder.norm = None
-        ref.decoder.norm = None
+def embedded(cfg, embed, tokens):
+    """What torch.nn.Transformer takes: token embeddings, scaled, plus absolute positions."""
+    x = embed.embedding.weight[tokens] * (math.sqrt(D) if cfg.scale_embeddings else 1.0)
+    if cfg.positional == "learned":
+        return x + embed.positional.embedding.weight[: tokens.size(1)]
+    return x + naive_sinusoid(tokens.size(1), D).float()
+
+
+@pytest.mark.filterwarnings("ignore:enable_nested_tensor is True")  # torch's, about its Pre-LN encoder
+@pytest.mark.parametrize("variant", TORCH_EXPRESSIBLE)
+def test_seq2seq_equals_torch_transformer(variant):
+    cfg, model = tiny_model(variant)
+    ref = torch_transformer(cfg)
     copy_into_torch_transformer(model, ref)
 
     src, src_pad = batch([7, 4, 2], 7)
     tgt, tgt_pad = batch([6, 6, 3], 6)
-    table = naive_sinusoid(8, D).float()
-    src_x = model.encoder.embed.embedding.weight[src] * math.sqrt(D) + table[:7]
-    tgt_x = model.decoder.embed.embedding.weight[tgt] * math.sqrt(D) + table[:6]
     causal = ~torch.ones(6, 6, dtype=torch.bool).tril()  # torch: True = blocked
-    with torch.no_grad():
-        hidden = ref(src_x, tgt_x, tgt_mask=causal, src_key_padding_mask=src_pad,
-                     memory_key_padding_mask=src_pad, tgt_key_padding_mask=tgt_pad)
+    with torch.no_grad(), torch_slow_path():
+        hidden = ref(embedded(cfg, model.encoder.embed, src), embedded(cfg, model.decoder.embed, tgt),
+                     tgt_mask=causal, src_key_padding_mask=src_pad, memory_key_padding_mask=src_pad,
+                     tgt_key_padding_mask=tgt_pad)
         expected = hidden @ model.output.weight.T
         logits = model(src, tgt)
     real = ~tgt_pad
-    torch.testing.assert_close(logits[real], expected[real], atol=1e-5, rtol=0)
+    torch.testing.assert_close(logits[real], expected[real], atol=1e-5, rtol=1e-5)
 
 
-def test_explicit_and_sdpa_models_agree():
-    model = build_model(tiny(n_kv_heads=2), V).eval()
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_seq2seq_equals_naive_reference(variant):
+    cfg, model = tiny_model(variant)
+    src, _ = batch([7, 4, 2], 7)
+    tgt, _ = batch([6, 6, 3], 6)
+    with torch.no_grad():
+        logits = model(src, tgt)
+    expected = naive_seq2seq(cfg, model.state_dict(), src, tgt, PAD)
+    torch.testing.assert_close(logits.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("pooling,variant", [
+    ("cls", "post-ln"), ("cls", "rope"), ("cls", "rmsnorm-pre-ln-gqa"),
+    ("last", "pre-ln-gelu"), ("last", "rope-gqa-rmsnorm-pre-ln"), ("last", "mqa-explicit"),
+    ("mean", "learned-explicit"), ("mean", "rope-mqa-explicit"),
+])
+def test_classifier_equals_naive_reference(pooling, variant):
+    # cls and last without RoPE take the shortcut of computing one row in the last layer
+    cfg, model = tiny_model(variant, arch="classifier", pooling=pooling)
+    tokens, _ = batch([6, 3, 1], 6)
+    with torch.no_grad():
+        logits = model(tokens)
+    expected = naive_classifier(cfg, model.state_dict(), tokens, PAD)
+    torch.testing.assert_close(logits.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("variant", ["post-ln", "rope-gqa-rmsnorm-pre-ln"])
+def test_explicit_and_sdpa_models_agree(variant):
+    _, model = tiny_model(variant)
     src, _ = batch([7, 3], 7)
     tgt, _ = batch([5, 5], 5)
-    sdpa = model(src, tgt)
-    for module in model.modules():
-        if hasattr(module, "backend"):
-            module.backend = "explicit"
-    torch.testing.assert_close(model(src, tgt), sdpa, atol=1e-5, rtol=0)
+    with torch.no_grad():
+        sdpa = model(src, tgt)
+        for module in model.modules():
+            if hasattr(module, "backend"):
+                module.backend = "explicit"
+        explicit = model(src, tgt)
+    torch.testing.assert_close(explicit, sdpa, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("overrides", [{}, {"n_kv_heads": 1, "norm_position": "pre"},
-                                       {"positional": "learned", "norm": "rmsnorm", "n_kv_heads": 2},
-                                       {"positional": "rope", "n_kv_heads": 2}])
-def test_incremental_decoding_equals_full_forward(overrides):
-    model = build_model(tiny(**overrides), V).eval()
+@pytest.mark.parametrize("positional", ["sinusoidal", "rope"])
+@pytest.mark.parametrize("n_kv_heads", [1, 2])
+def test_gqa_model_equals_mha_model_with_repeated_kv_heads(n_kv_heads, positional):
+    cfg = tiny(n_kv_heads=n_kv_heads, positional=positional, norm="rmsnorm", norm_position="pre")
+    gqa = build_model(cfg, V).eval()
+    randomize_(gqa)
+    mha = build_model(dataclasses.replace(cfg, n_kv_heads=None), V).eval()
+    mha.load_state_dict(repeat_kv_heads(gqa.state_dict(), H, n_kv_heads))
+    src, _ = batch([7, 4], 7)
+    tgt, _ = batch([5, 5], 5)
+    with torch.no_grad():
+        torch.testing.assert_close(gqa(src, tgt), mha(src, tgt), atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_incremental_decoding_equals_full_forward(variant):
+    _, model = tiny_model(variant)
     src, _ = batch([7, 3, 5], 7)
     tgt, _ = batch([6, 6, 6], 6)
     with torch.no_grad():
         full = model(src, tgt)
         memory, memory_pad = model.encode(src)
-        cache = model.new_cache()
-        steps = [model.decode(tgt[:, t : t + 1], memory, memory_pad, cache) for t in range(6)]
-    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=0)
+        # one token a step (greedy and beam search), and uneven chunks: a first chunk of several
+        # tokens, one token after cached ones, several tokens after cached ones
+        for chunks in ([1] * 6, [2, 1, 3]):
+            cache, steps, start = model.new_cache(), [], 0
+            for n in chunks:
+                steps.append(model.decode(tgt[:, start : start + n], memory, memory_pad, cache))
+                start += n
+            assert cache.length == 6
+            torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-5)
 
 
 def test_cache_reorder_matches_reordered_batch():
@@ -138,20 +262,31 @@ def test_cache_reorder_matches_reordered_batch():
     torch.testing.assert_close(step, expected, atol=1e-5, rtol=0)
 
 
-def test_padding_never_changes_real_outputs():
-    model = build_model(tiny(), V).eval()
-    src, _ = batch([5], 5)
-    tgt, _ = batch([4], 4)
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_padding_never_changes_real_outputs(variant):
+    """Each example of a right-padded batch gets the logits it gets alone, unpadded."""
+    _, model = tiny_model(variant)
+    src_lengths, tgt_lengths = [7, 4, 2], [3, 6, 5]
+    src, _ = batch(src_lengths, 7)
+    tgt, _ = batch(tgt_lengths, 6)
     with torch.no_grad():
-        alone = model(src, tgt)
-        padded_src = torch.cat([src, torch.full((1, 3), PAD)], dim=1)
-        padded_tgt = torch.cat([tgt, torch.full((1, 2), PAD)], dim=1)
-        padded = model(padded_src, padded_tgt)
-    torch.testing.assert_close(padded[:, :4], alone, atol=1e-5, rtol=0)
+        together = model(src, tgt)
+        for i, (s, t) in enumerate(zip(src_lengths, tgt_lengths, strict=True)):
+            alone = model(src[i : i + 1, :s], tgt[i : i + 1, :t])
+            torch.testing.assert_close(together[i, :t], alone[0], atol=1e-5, rtol=1e-5)
 
 
-def test_future_tokens_never_change_earlier_outputs():
-    model = build_model(tiny(), V).eval()
+def test_kept_positions_are_the_full_logits_at_those_positions():
+    _, model = tiny_model("rope-gqa-rmsnorm-pre-ln")
+    src, _ = batch([7, 4], 7)
+    tgt, tgt_pad = batch([6, 3], 6)
+    with torch.no_grad():
+        torch.testing.assert_close(model(src, tgt, keep=~tgt_pad), model(src, tgt)[~tgt_pad], atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_future_tokens_never_change_earlier_outputs(variant):
+    _, model = tiny_model(variant)
     src, _ = batch([6, 6], 6)
     tgt, _ = batch([5, 5], 5)
     changed = tgt.clone()
@@ -159,19 +294,54 @@ def test_future_tokens_never_change_earlier_outputs():
     assert not torch.equal(changed, tgt)
     with torch.no_grad():
         before, after = model(src, tgt), model(src, changed)
-    torch.testing.assert_close(after[:, :3], before[:, :3], atol=0, rtol=0)
+    torch.testing.assert_close(after[:, :3], before[:, :3], atol=0, rtol=0)  # exactly: nothing leaks
     assert not torch.allclose(after[:, 3:], before[:, 3:])
 
 
-@pytest.mark.parametrize("pooling", ["cls", "mean"])
-def test_classifier_ignores_padding(pooling):
-    model = build_model(tiny(arch="classifier", pooling=pooling), V, n_classes=3).eval()
-    tokens, _ = batch([6], 6)
+@pytest.mark.parametrize("positional", ["sinusoidal", "learned", "rope"])
+def test_only_rope_ignores_a_shift_of_every_source_position(positional):
+    """RoPE scores depend on relative positions only: left padding, which moves every real
+    source token, leaves a RoPE encoder's real outputs and (cross-attention being position-free)
+    the decoder's logits unchanged. Absolute positions must change them."""
+    _, model = tiny_model("rmsnorm-pre-ln-gqa", positional=positional)
+    src, _ = batch([5, 5], 5)
+    tgt, _ = batch([4, 4], 4)
+    shifted = torch.cat([torch.full((2, 3), PAD), src], dim=1)
     with torch.no_grad():
-        alone = model(tokens)
-        padded = model(torch.cat([tokens, torch.full((1, 4), PAD)], dim=1))
-    assert alone.shape == (1, 3)
-    torch.testing.assert_close(padded, alone, atol=1e-5, rtol=0)
+        memory, moved = model.encode(src)[0], model.encode(shifted)[0][:, 3:]
+        logits, moved_logits = model(src, tgt), model(shifted, tgt)
+    if positional == "rope":
+        torch.testing.assert_close(moved, memory, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(moved_logits, logits, atol=1e-5, rtol=1e-5)
+    else:
+        assert not torch.allclose(moved_logits, logits, atol=1e-3)
+
+
+@pytest.mark.parametrize("pooling,variant", [
+    ("cls", "post-ln"), ("cls", "rope"), ("mean", "post-ln"), ("mean", "rope-mqa-explicit"),
+    ("last", "learned-explicit"), ("last", "rope-gqa-rmsnorm-pre-ln"),
+])
+def test_classifier_ignores_padding(pooling, variant):
+    """Each example of a right-padded batch gets the logits it gets alone, unpadded."""
+    _, model = tiny_model(variant, arch="classifier", pooling=pooling)
+    lengths = [6, 2, 4]
+    tokens, _ = batch(lengths, 6)
+    with torch.no_grad():
+        together = model(tokens)
+        alone = torch.cat([model(tokens[i : i + 1, :n]) for i, n in enumerate(lengths)])
+    assert together.shape == (3, 3)
+    torch.testing.assert_close(together, alone, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_norms_equal_the_naive_formulas(norm):
+    module = NORMS[norm](D, 1e-5)
+    randomize_(module)
+    x = torch.randn(3, 5, D) * 3 + 1
+    bias = module.bias.detach().double() if norm == "layernorm" else None
+    expected = naive_norm(x.double(), module.weight.detach().double(), bias, norm, 1e-5)
+    with torch.no_grad():
+        torch.testing.assert_close(module(x).double(), expected, atol=1e-5, rtol=1e-5)
 
 
 def test_tied_embeddings_share_one_tensor():

@@ -6,12 +6,13 @@ package never imports typer or rich, so it can be used from any program or noteb
 
 from xformer.config import Recipe
 from xformer.errors import RecipeError, XformerError
-from xformer.model import build_for_recipe, build_model, count_parameters
+from xformer.model import build_model, count_parameters
 from xformer.recipe_io import load_recipe
+from xformer.tasks import TASKS, build_for_recipe, make_task
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "Recipe", "RecipeError", "XformerError", "build_for_recipe", "build_model",
-    "count_parameters", "load_recipe",
+    "TASKS", "Recipe", "RecipeError", "XformerError", "build_for_recipe", "build_model",
+    "count_parameters", "load_recipe", "make_task",
 ]

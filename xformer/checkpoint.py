@@ -13,8 +13,6 @@ loading restores the sharing because the model ties the parameters itself.
 from __future__ import annotations
 
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -24,6 +22,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 from xformer.errors import RunError
+from xformer.files import atomic_write
+from xformer.results import AverageResult
 
 FORMAT = "xformer-checkpoint-1"
 
@@ -67,7 +67,7 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict
     """Write named tensors (`model.*`, `optim.*`, ...) and JSON-able `meta` as an xformer
     checkpoint, atomically."""
     header = {"format": FORMAT, **meta}
-    _atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata={"xformer": json.dumps(header)}))
+    atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata={"xformer": json.dumps(header)}))
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -142,18 +142,18 @@ def average_checkpoints(paths: list[Path]) -> dict[str, torch.Tensor]:
     return {k: (v / len(paths)).to(dtypes[k]) for k, v in total.items()}
 
 
-def average_run(run_dir: str | Path, last: int, name: str | None = None) -> dict[str, Any]:
+def average_run(run_dir: str | Path, last: int, name: str | None = None) -> AverageResult:
     """Average the model weights of the newest `last` step checkpoints a run kept
     (RUN/checkpoints/step_N.safetensors, train.average_last of them) into
     RUN/checkpoints/<name>.safetensors (default averaged_last<N>), which `xformer eval
-    --checkpoint <name>` reads. Never overwrites. Returns {"path", "averaged", "steps"}."""
+    --checkpoint <name>` reads. Never overwrites."""
     folder = Path(run_dir) / "checkpoints"
     if not folder.is_dir():
         raise RunError(f"{run_dir}: {'no such run directory' if not Path(run_dir).exists() else 'no checkpoints/ here'}"
                        "; expected a run directory written by xformer train")
     steps = sorted(folder.glob("step_*.safetensors"))
     if last < 1:
-        raise RunError(f"--last {last}: expected at least 1 checkpoint")
+        raise RunError(f"last = {last}: expected at least 1 checkpoint")
     if len(steps) < last:
         raise RunError(f"{folder}: {len(steps)} step checkpoints kept, --last {last} asks for more "
                        f"(train.average_last sets how many a run keeps)")
@@ -165,21 +165,4 @@ def average_run(run_dir: str | Path, last: int, name: str | None = None) -> dict
     _, meta = read_checkpoint(chosen[-1])
     kept = {k: v for k, v in meta.items() if k in ("recipe", "step", "tokenizer")}
     write_tensors(target, average_checkpoints(chosen), {**kept, "averaged": [p.name for p in chosen]})
-    return {"path": str(target), "averaged": [p.name for p in chosen], "steps": [int(p.stem[5:]) for p in chosen]}
-
-
-def _atomic_write(path: Path, write) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
-    try:
-        write(tmp)
-        os.chmod(tmp, 0o644)  # mkstemp makes 0600; a run directory is often shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def atomic_write_text(path: str | Path, text: str) -> None:
-    _atomic_write(Path(path), lambda tmp: Path(tmp).write_text(text, encoding="utf-8"))
+    return AverageResult(path=str(target), averaged=[p.name for p in chosen], steps=[int(p.stem[5:]) for p in chosen])

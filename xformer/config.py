@@ -14,12 +14,10 @@ Reading a recipe file and its `--set` overrides into a Recipe is xformer/recipe_
 
 from __future__ import annotations
 
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from xformer.data.tasks import RECALL_N_KEYS
 from xformer.sites import pruned_heads_problems
 from xformer.strict import (
     non_negative,
@@ -29,11 +27,6 @@ from xformer.strict import (
     section_to_dict,
     toml_value,
 )
-
-if sys.version_info >= (3, 11):
-    pass
-else:  # pragma: no cover - Python 3.10
-    pass
 
 # One Literal per variant axis; each has a dict of implementations next to its modules
 # (POSITIONAL in model/positional.py, NORMS in model/norms.py, ...), and a test checks
@@ -47,17 +40,12 @@ AttentionBackend = Literal["sdpa", "explicit"]
 TieEmbeddings = Literal["none", "decoder", "all"]
 # "cls", "mean" and "last" for the Transformer classifier; "last", "mean" and "max" for the LSTM
 Pooling = Literal["cls", "mean", "last", "max"]
-Task = Literal["translation", "listops", "recall", "classification"]
-# sentencepiece models (translation, classification) or fixed schemes (classification only)
-Tokenization = Literal["unigram", "bpe", "char", "byte", "whitespace"]
 Optimizer = Literal["adam", "adamw"]
 Schedule = Literal["inverse_sqrt", "cosine", "linear", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 CheckpointChoice = Literal["best", "last", "averaged"]
 BestMetric = Literal["auto", "bleu", "accuracy", "loss"]
 
-SYNTHETIC_TASKS = ("listops", "recall")
-CORPUS_TASKS = ("translation", "classification")
 TRANSFORMER_POOLING = ("cls", "mean", "last")
 LSTM_POOLING = ("last", "mean", "max")
 
@@ -151,112 +139,38 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    """[data]: where the examples come from, how they are tokenized and batched.
-
-    task "translation": sentence pairs from a corpus (Hub id or local JSONL/TSV/parallel text);
-    "classification": a corpus with a text and a label field; "listops" and "recall": generated
-    from data.seed (xformer/data/tasks.py), data.max_len long. max_len means: translation pairs
-    longer are dropped, classification texts are truncated, ListOps lengths lie strictly between
+    """[data]: the fields every task has. Each value of data.task has its own table class that
+    extends this one with the task's fields (xformer/tasks/: TranslationData, ...), so a field
+    of another task is refused by name. max_len means, per task: translation pairs longer are
+    dropped, classification texts are truncated, ListOps lengths lie strictly between
     max_len // 4 and max_len (LRA), recall sequences have max_len tokens.
     """
 
     SECTION: ClassVar[str] = "data"
+    # what the task's validation reports besides the loss (train.best_metric may name them; the
+    # first is what "auto" means), and the model.arch values that can learn it
+    METRICS: ClassVar[tuple[str, ...]] = ()
+    ARCHS: ClassVar[tuple[str, ...]] = ()
 
-    task: Task = "translation"
-    # A Hub id ("bentrevett/multi30k") or a local folder or file (JSONL, TSV, parallel text).
-    dataset: str = field(default="bentrevett/multi30k", metadata=only_when("task", *CORPUS_TASKS))
-    # a Hub dataset's configuration, e.g. "de-en" for wmt14; "" for none
-    dataset_config: str = field(default="", metadata=only_when("task", *CORPUS_TASKS))
-    source_lang: str = field(default="de", metadata=only_when("task", "translation"))
-    target_lang: str = field(default="en", metadata=only_when("task", "translation"))
-    text_field: str = field(default="text", metadata=only_when("task", "classification"))
-    label_field: str = field(default="label", metadata=only_when("task", "classification"))
-    train_split: str = field(default="train", metadata=only_when("task", *CORPUS_TASKS))
-    valid_split: str = field(default="validation", metadata=only_when("task", *CORPUS_TASKS))
-    test_split: str = field(default="test", metadata=only_when("task", *CORPUS_TASKS))
-    # generated tasks: split sizes and the seed of the data (train.seed seeds the model)
-    n_train: int = field(default=20000, metadata=only_when("task", *SYNTHETIC_TASKS))
-    n_valid: int = field(default=1000, metadata=only_when("task", *SYNTHETIC_TASKS))
-    n_test: int = field(default=1000, metadata=only_when("task", *SYNTHETIC_TASKS))
-    seed: int = field(default=0, metadata=only_when("task", *SYNTHETIC_TASKS))
-    n_pairs: int = field(default=8, metadata=only_when("task", "recall"))  # key-value bindings to recall from
-    n_queries: int = field(default=4, metadata=only_when("task", "recall"))
-    # a length curriculum (generated tasks): train curriculum_steps[i] optimizer steps on examples
-    # of length curriculum_lengths[i] first, in order, then at max_len; stages not shorter than
-    # max_len are skipped, so one recipe serves a whole length sweep
-    curriculum_lengths: list[int] = field(default_factory=list, metadata=only_when("task", *SYNTHETIC_TASKS))
-    curriculum_steps: list[int] = field(default_factory=list, metadata=only_when("task", *SYNTHETIC_TASKS))
-    tokenizer: Tokenization = field(default="unigram", metadata=only_when("task", *CORPUS_TASKS))
-    vocab_size: int = field(default=8000, metadata=only_when("task", *CORPUS_TASKS))
-    joint_vocab: bool = field(default=True, metadata=only_when("task", "translation"))
-    character_coverage: float = field(default=1.0, metadata=only_when("task", *CORPUS_TASKS))
-    byte_fallback: bool = field(default=False, metadata=only_when("task", *CORPUS_TASKS))
-    # Subword regularization (Kudo 2018, arXiv:1804.10959): with sampling_alpha > 0 each training
-    # epoch re-segments the training pairs, sampled from the unigram lattice's probabilities raised
-    # to alpha, over the sampling_nbest best segmentations (-1 = all), reproducibly from
-    # (train.seed, epoch) in any process (xformer.data.sampling). Unigram tokenizers only.
-    # Validation, eval and translate always use the single best segmentation.
-    sampling_alpha: float = field(default=0.0, metadata=only_when("task", "translation"))
-    sampling_nbest: int = field(default=-1, metadata=only_when("task", "translation"))
+    task: str = "translation"  # a key of xformer.tasks.TASKS
     max_len: int = 256
     max_tokens: int = 4096  # padded tokens per batch, source or target side, whichever is larger
 
     def problems(self) -> list[str]:
-        out = positive(self, "vocab_size", "max_len", "max_tokens", "n_train", "n_valid", "n_test", "n_queries",
-                           "n_pairs")
-        if not 0 < self.character_coverage <= 1:
-            out.append(
-                "data.character_coverage: expected a number in (0, 1], "
-                f"found {self.character_coverage}"
-            )
-        if self.task == "translation" and self.source_lang == self.target_lang:
-            out.append(
-                "data.target_lang: expected a language other than data.source_lang, "
-                f"found {self.target_lang!r} for both"
-            )
-        if self.task == "translation" and self.tokenizer not in ("unigram", "bpe"):
-            out.append(f"data.tokenizer: translation uses sentencepiece 'unigram' or 'bpe', found {self.tokenizer!r}")
-        if not 0 <= self.sampling_alpha <= 1:
-            out.append(f"data.sampling_alpha: expected a number in [0, 1] (0: no sampling), "
-                       f"found {self.sampling_alpha}")
-        if self.sampling_alpha > 0 and self.tokenizer == "bpe":
-            out.append("data.sampling_alpha: subword sampling needs data.tokenizer = 'unigram', found 'bpe' "
-                       "(sentencepiece's BPE-dropout draws differ from process to process, so runs would not "
-                       "repeat); use a unigram tokenizer or sampling_alpha = 0")
-        if self.sampling_nbest != -1 and self.sampling_nbest < 2:
-            out.append(f"data.sampling_nbest: expected -1 (all segmentations) or at least 2, "
-                       f"found {self.sampling_nbest}")
-        out += self._curriculum_problems()
-        if self.task == "listops" and self.max_len < 8:
-            out.append(f"data.max_len: ListOps needs lengths strictly between max_len // 4 and max_len; "
-                       f"expected at least 8, found {self.max_len}")
-        if self.task == "recall" and not self.n_queries <= self.n_pairs <= RECALL_N_KEYS:
-            out.append(f"data.n_pairs: expected data.n_queries = {self.n_queries} <= n_pairs <= {RECALL_N_KEYS} "
-                       f"(the distinct keys), found {self.n_pairs}")
-        if self.task == "recall" and self.max_len < 2 * self.n_pairs + self.n_queries:
-            out.append(f"data.max_len: recall needs {self.n_pairs} pairs and {self.n_queries} queries; "
-                       f"expected at least {2 * self.n_pairs + self.n_queries}, found {self.max_len}")
+        return positive(self, "max_len", "max_tokens")
+
+    def recipe_problems(self, recipe: Recipe) -> list[str]:
+        """Rules that tie this table to the others (model.arch, train.best_metric)."""
+        out = []
+        arch, task = recipe.model.arch, self.task
+        if self.ARCHS and arch not in self.ARCHS:
+            expected = " or ".join(repr(a) for a in self.ARCHS)
+            out.append(f"model.arch: data.task = {task!r} needs {expected}, found {arch!r}")
+        metric = recipe.train.best_metric
+        if metric not in ("auto", "loss") and metric not in self.METRICS:
+            expected = " or ".join(repr(m) for m in (*self.METRICS, "loss"))
+            out.append(f"train.best_metric: data.task = {task!r} validates by {expected}, found {metric!r}")
         return out
-
-    def _curriculum_problems(self) -> list[str]:
-        lengths, steps = self.curriculum_lengths, self.curriculum_steps
-        if len(lengths) != len(steps):
-            return [f"data.curriculum_steps: expected one step count per curriculum length ({len(lengths)}), "
-                    f"found {len(steps)}"]
-        if any(n <= 0 for n in lengths + steps):
-            return [f"data.curriculum_lengths / curriculum_steps: expected positive integers, "
-                    f"found {lengths} / {steps}"]
-        if any(a >= b for a, b in zip(lengths, lengths[1:], strict=False)):
-            return [f"data.curriculum_lengths: expected increasing lengths, found {lengths}"]
-        return []
-
-    def curriculum(self) -> list[tuple[int, int]]:
-        """The (length, optimizer steps) stages that apply at this max_len."""
-        return [(n, k) for n, k in zip(self.curriculum_lengths, self.curriculum_steps, strict=True) if n < self.max_len]
-
-    @property
-    def is_classification(self) -> bool:
-        return self.task != "translation"
 
 
 @dataclass
@@ -285,7 +199,7 @@ class TrainConfig:
     valid_every: int = 1000  # optimizer steps between validations
     patience: int = 0  # validations without improvement before stopping; 0 disables
     # what picks the best checkpoint: validation BLEU (greedy), accuracy or loss; auto is BLEU
-    # for translation and accuracy for classification
+    # for translation and accuracy for classification (the task's first metric)
     best_metric: BestMetric = "auto"
     average_last: int = 5  # checkpoints averaged into the "averaged" model
     # auto: bf16 (or fp16 + scaler) on CUDA; on the CPU bf16 where it multiplies bf16 natively
@@ -293,6 +207,9 @@ class TrainConfig:
     precision: Precision = "auto"
     log_every: int = 50
     log_seconds: float = 30.0  # also log when this many seconds passed since the last line; 0: steps only
+    # the CPU dropout mask (model/dropout.py) and the fused label-smoothed loss (losses.py);
+    # false trains with torch's nn.Dropout and F.cross_entropy, the references they are tested against
+    fast_paths: bool = True
 
     def problems(self) -> list[str]:
         out = positive(self, "lr", "adam_eps", "accumulate_steps", "valid_every", "log_every")
@@ -352,37 +269,19 @@ class Recipe:
 
     def cross_section_problems(self) -> list[str]:
         out = []
-        if self.model.arch == "seq2seq" and self.model.tie_embeddings == "all" and not self.data.joint_vocab:
-            out.append(
-                "model.tie_embeddings: 'all' shares one embedding between both languages and "
-                "needs data.joint_vocab = true, found false"
-            )
         if self.model.arch != "lstm" and self.data.max_len + 1 > self.model.max_positions:  # + 1: BOS, EOS or CLS
             out.append(f"data.max_len: expected at most model.max_positions - 1 = {self.model.max_positions - 1}, "
                        f"found {self.data.max_len}")
         if self.eval.checkpoint == "averaged" and self.train.average_last == 0:
             out.append("eval.checkpoint: 'averaged' needs train.average_last > 0, found 0")
-        if self.model.arch != "seq2seq" and self.data.task == "translation":
-            out.append(
-                f"model.arch: data.task = 'translation' needs 'seq2seq', found {self.model.arch!r}"
-            )
-        if self.model.arch == "seq2seq" and self.data.task != "translation":
-            out.append(f"model.arch: data.task = {self.data.task!r} classifies; expected 'classifier' or 'lstm', "
-                       "found 'seq2seq'")
-        metric = self.train.best_metric
-        if metric == "bleu" and self.data.task != "translation":
-            out.append(f"train.best_metric: 'bleu' scores translations; data.task = {self.data.task!r} "
-                       "expects 'accuracy' or 'loss'")
-        if metric == "accuracy" and self.data.task == "translation":
-            out.append("train.best_metric: 'accuracy' scores classifiers; translation expects 'bleu' or 'loss'")
-        return out
+        return out + self.data.recipe_problems(self)
 
     @property
     def best_metric(self) -> str:
         """train.best_metric with "auto" resolved."""
         if self.train.best_metric != "auto":
             return self.train.best_metric
-        return "accuracy" if self.data.is_classification else "bleu"
+        return self.data.METRICS[0] if self.data.METRICS else "loss"
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Stored fields only (no properties), leaving out fields of switched-off variants."""

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor
 
+from xformer.config import Recipe
+from xformer.data.batching import collate_source
 from xformer.model.transformer import Seq2Seq
+from xformer.runtime import Runtime
 
 
 @contextlib.contextmanager
@@ -207,3 +210,34 @@ def sequence_logprob(model: Seq2Seq, src: Tensor, hyp_tokens: list[list[int]], *
         lprobs = torch.log_softmax(model(src, tgt_in).float(), dim=-1)  # (B, T, V)
         picked = lprobs.gather(-1, tgt_out[..., None]).squeeze(-1)  # (B, T)
         return picked.masked_fill(tgt_out.eq(pad_id), 0.0).sum(dim=1)
+
+
+def translate_ids(
+    model: Seq2Seq, sources: list[list[int]], recipe: Recipe, rt: Runtime, *, beam: int | None = None,
+    lenpen: float | None = None, on_batch: Callable[[int], None] | None = None,
+) -> list[list[int]]:
+    """Decode token-id sources (no EOS) in length-sorted batches of eval.batch_sentences;
+    beam 1 is greedy. Returns hypotheses in input order, without BOS/EOS."""
+    cfg = recipe.eval
+    beam = cfg.beam if beam is None else beam
+    lenpen = cfg.lenpen if lenpen is None else lenpen
+    limit = recipe.model.max_positions - 1  # room for EOS
+    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
+    out: list[list[int]] = [[] for _ in sources]
+    was_training = model.training
+    model.eval()
+    with torch.inference_mode(), rt.autocast():
+        for start in range(0, len(order), cfg.batch_sentences):
+            idx = order[start : start + cfg.batch_sentences]
+            src = collate_source([sources[i][:limit] for i in idx]).to(rt.device)
+            a, b = cfg.max_len_a, min(cfg.max_len_b, limit)
+            if beam == 1:
+                hyps = greedy_decode(model, src, max_len_a=a, max_len_b=b)
+            else:
+                hyps = beam_search(model, src, beam=beam, lenpen=lenpen, max_len_a=a, max_len_b=b)
+            for i, h in zip(idx, hyps, strict=True):
+                out[i] = h[:limit]
+            if on_batch:
+                on_batch(len(idx))
+    model.train(was_training)
+    return out

@@ -28,20 +28,21 @@ from __future__ import annotations
 import json
 import statistics
 import sys
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from xformer.checkpoint import atomic_write_text, read_checkpoint_meta
-from xformer.config import SYNTHETIC_TASKS, Recipe
+from xformer.checkpoint import read_checkpoint_meta
+from xformer.config import Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.evaluate import evaluate_run
-from xformer.model.build import build_for_recipe, count_parameters
+from xformer.events import Event
+from xformer.files import atomic_write_text
 from xformer.model.lstm import match_hidden
-from xformer.recipe_io import load_recipe
+from xformer.recipe_io import load_recipe, recipe_from_dict
+from xformer.results import SweepResult
 from xformer.strict import did_you_mean, section_from_dict
+from xformer.tasks import make_task, parameter_count
+from xformer.tasks.generated import GeneratedData
 from xformer.train import run
 
 if sys.version_info >= (3, 11):
@@ -50,7 +51,6 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 MODELS = ("transformer", "lstm")
-Event = Callable[[str, dict], None]
 
 
 @dataclass
@@ -141,7 +141,7 @@ def _check_pair(recipes: dict[str, Recipe], path: Path) -> None:
         problems.append(f"{path}: sweep.lstm: expected a recipe with model.arch = 'lstm', found {lstm.model.arch!r}")
     if t.data != lstm.data:
         problems.append(f"{path}: the two recipes must have the same [data] table (the same task and examples)")
-    if t.data.task not in SYNTHETIC_TASKS:
+    if not isinstance(t.data, GeneratedData):
         problems.append(f"{path}: the sweep varies the length of a generated task (listops, recall), "
                         f"found data.task = {t.data.task!r}")
     if problems:
@@ -171,24 +171,19 @@ def row_recipe(sweep: Sweep, model: str, length: int, seed: int) -> Recipe:
 
 
 def _with(recipe: Recipe, sets: list[str]) -> Recipe:
-    from xformer.recipe_io import recipe_from_dict
-
     return recipe_from_dict(recipe.to_dict(), sets, source="sweep")
 
 
 def _vocab_and_classes(recipe: Recipe) -> tuple[int, int]:
-    from xformer.data.tasks import TASKS
-
-    spec = TASKS[recipe.data.task][0]()
-    return len(spec.vocab), spec.n_classes
+    sizes = make_task(recipe).model_sizes()
+    return sizes["vocab_size"], sizes["n_classes"]
 
 
 def parameters(recipe: Recipe) -> int:
-    with torch.device("meta"):
-        return count_parameters(build_for_recipe(recipe, init=False))["total"]
+    return parameter_count(recipe)
 
 
-def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_event: Event | None = None) -> dict:
+def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_event: Event | None = None) -> SweepResult:
     """Train and score every row not done yet, then write the comparison files; returns
     the comparison (what comparison.json holds)."""
     emit = on_event or (lambda kind, payload: None)
@@ -215,7 +210,7 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
                     emit("row_progress", {"index": index, "fraction": payload["fraction"]})
 
             result = run(row_recipe(sweep, model, length, seed), run_dir, device=device, resume=state == "resume",
-                         overwrite=state == "new", on_event=forward)
+                         overwrite=state == "new", on_event=forward, measure_memory=True)
             if result.stop_reason == "interrupted":
                 raise KeyboardInterrupt
         trained = json.loads((run_dir / "train.json").read_text())
@@ -223,7 +218,7 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
         best = trained["best"] or {}
         row = {
             "model": model, "length": length, "seed": seed, "parameters": trained["parameters"],
-            "test_accuracy": test["accuracy"], "valid_accuracy": best.get("accuracy"),
+            "test_accuracy": test.accuracy, "valid_accuracy": best.get("accuracy"),
             "best_step": best.get("step"), "steps": trained["steps"], "epochs": trained["epochs"],
             "train_seconds": trained["train_seconds"],
             "tokens_per_s": throughput_at_length(run_dir, row_recipe(sweep, model, length, seed), trained),
@@ -235,7 +230,7 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
     comparison = summarize(sweep, [json.loads((out_dir / "rows" / f"{row_key(m, n, s)}.json").read_text())
                                    for n, m, s in plan])
     write_comparison(comparison, out_dir)
-    return comparison
+    return SweepResult(**comparison)
 
 
 def throughput_at_length(run_dir: Path, recipe: Recipe, trained: dict) -> float:

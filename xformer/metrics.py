@@ -1,5 +1,6 @@
 """Scores: corpus BLEU and chrF through sacreBLEU (Post 2018, arXiv:1804.08771), so numbers
-compare with published ones, and accuracy / confusion matrices for classification.
+compare with published ones, and accuracy (a percentage, as reports give it) and confusion
+matrices for classification.
 
 Scores are returned as full floats; rounding is for whoever renders them.
 """
@@ -8,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 from sacrebleu.metrics import BLEU, CHRF
 
 
@@ -37,22 +39,31 @@ def translation_scores(hypotheses: Sequence[str], references: Sequence[str]) -> 
     return scores
 
 
-def accuracy(predictions: Sequence[int], labels: Sequence[int]) -> float:
-    """Fraction of predictions equal to their label."""
-    if len(predictions) != len(labels):
-        raise ValueError(f"{len(predictions)} predictions but {len(labels)} labels")
-    if len(labels) == 0:
-        raise ValueError("accuracy of no examples")
-    return sum(int(p == y) for p, y in zip(predictions, labels, strict=True)) / len(labels)
+def accuracy(predictions: Sequence[int] | np.ndarray, labels: Sequence[int] | np.ndarray) -> float:
+    """Percentage (0..100) of predictions equal to their label; 0.0 for no examples."""
+    predictions, labels = _class_ids(predictions, labels)
+    if labels.size == 0:
+        return 0.0
+    return 100.0 * float(np.mean(predictions == labels))
 
 
-def confusion_matrix(predictions: Sequence[int], labels: Sequence[int], n_classes: int) -> list[list[int]]:
-    """counts[true class][predicted class], n_classes x n_classes."""
-    if len(predictions) != len(labels):
-        raise ValueError(f"{len(predictions)} predictions but {len(labels)} labels")
-    counts = [[0] * n_classes for _ in range(n_classes)]
-    for p, y in zip(predictions, labels, strict=True):
-        if not (0 <= p < n_classes and 0 <= y < n_classes):
-            raise ValueError(f"class ids must lie in 0..{n_classes - 1}, found prediction {p}, label {y}")
-        counts[y][p] += 1
-    return counts
+def confusion_matrix(
+    predictions: Sequence[int] | np.ndarray, labels: Sequence[int] | np.ndarray, n_classes: int,
+) -> list[list[int]]:
+    """counts[true label][predicted label], an n_classes x n_classes list of lists of ints."""
+    predictions, labels = _class_ids(predictions, labels)
+    for name, ids in (("prediction", predictions), ("label", labels)):
+        outside = ids[(ids < 0) | (ids >= n_classes)]
+        if outside.size:
+            raise ValueError(f"class ids must lie in 0..{n_classes - 1}, found {name} {int(outside[0])}")
+    counts = np.bincount(labels * n_classes + predictions, minlength=n_classes * n_classes)
+    return counts.reshape(n_classes, n_classes).tolist()
+
+
+def _class_ids(predictions, labels) -> tuple[np.ndarray, np.ndarray]:
+    """Both as 1-d int64 arrays of one length."""
+    predictions = np.asarray(predictions, dtype=np.int64).reshape(-1)
+    labels = np.asarray(labels, dtype=np.int64).reshape(-1)
+    if predictions.size != labels.size:
+        raise ValueError(f"{predictions.size} predictions but {labels.size} labels")
+    return predictions, labels

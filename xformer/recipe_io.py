@@ -9,13 +9,15 @@ they go through exactly the same checks as the file.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 from typing import Any
 
-from xformer.config import SECTIONS, Recipe
+from xformer.config import SECTIONS, DataConfig, Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.strict import describe, did_you_mean, section_from_dict
+from xformer.tasks import TASKS
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -60,9 +62,11 @@ def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe
     typed = True
     for name, cls in SECTIONS.items():
         table = raw.get(name, {})
-        sections[name], values_ok = section_from_dict(
-            cls, name, table if isinstance(table, dict) else {}, problems
-        )
+        table = table if isinstance(table, dict) else {}
+        if name == "data":
+            sections[name], values_ok = _data_from_dict(table, problems)
+        else:
+            sections[name], values_ok = section_from_dict(cls, name, table, problems)
         if values_ok:  # range and cross-field rules only make sense once every value has its type
             problems += sections[name].problems()
         typed = typed and values_ok
@@ -72,6 +76,30 @@ def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe
     if problems:
         raise RecipeError([_locate(p, source, overridden) for p in problems])
     return recipe
+
+
+def _data_from_dict(table: dict, problems: list[str]):
+    """[data] into the Data class of its task (xformer.tasks.TASKS): a field that only another
+    task has is named with the task it belongs to."""
+    task = table.get("task", DataConfig.task)
+    if not isinstance(task, str) or task not in TASKS:
+        listed = ", ".join(repr(t) for t in TASKS)
+        hint = did_you_mean(task, TASKS) if isinstance(task, str) else ""
+        problems.append(f"data.task: expected one of {listed}, found {describe(task)}{hint}")
+        return DataConfig(), False
+    cls = TASKS[task].Data
+    own = {f.name for f in dataclasses.fields(cls)}
+    elsewhere = {}
+    for key in table:
+        if key not in own:
+            users = [name for name, t in TASKS.items() if key in {f.name for f in dataclasses.fields(t.Data)}]
+            if users:
+                elsewhere[key] = users
+    for key, users in elsewhere.items():
+        allowed = " or ".join(repr(u) for u in users)
+        problems.append(f"data.{key}: applies only when data.task = {allowed}, found data.task = {task!r}; remove it")
+    data, ok = section_from_dict(cls, "data", {k: v for k, v in table.items() if k not in elsewhere}, problems)
+    return data, ok
 
 
 def parse_override(item: str) -> tuple[str, str, Any]:

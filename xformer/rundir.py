@@ -135,3 +135,8 @@ def eval_name(split: str, data: str | None, columns: list[list]) -> str:
             digest.update(str(value).encode("utf-8") + b"\0")
         digest.update(b"\1")
     return f"data-{label}-{digest.hexdigest()[:10]}"
+
+
+def tokenizer_dir(run_dir: str | Path) -> Path:
+    """RUN/tokenizer: the sentencepiece model(s) or classification encoder a run was trained with."""
+    return Path(run_dir) / "tokenizer"

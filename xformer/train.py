@@ -23,14 +23,12 @@ import math
 import signal
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import torch
 
 from xformer.checkpoint import (
-    atomic_write_text,
     average_checkpoints,
     load_model_weights,
     load_optimizer_state,
@@ -40,13 +38,15 @@ from xformer.checkpoint import (
 )
 from xformer.config import Recipe
 from xformer.errors import RunError
-from xformer.jobs import make_job
+from xformer.events import Event
+from xformer.files import atomic_write_text
+from xformer.instrument import PeakMemory, allocator_peak
+from xformer.model.dropout import use_fast_dropout
 from xformer.optim import build_optimizer, learning_rate
 from xformer.recipe_io import load_recipe
 from xformer.rundir import check_out_dir, check_tokenizer, clear_run_dir, mark_run_dir, tokenizer_digest
-from xformer.runtime import PeakMemory, Runtime, resolve_runtime
-
-Event = Callable[[str, dict], None]
+from xformer.runtime import Runtime, resolve_runtime
+from xformer.tasks import make_task
 
 
 @dataclass
@@ -65,7 +65,7 @@ class TrainResult:
     precision: str
     parameters: int = 0
     precision_reason: str = ""  # what precision "auto" found, or "asked for"
-    peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth (runtime.PeakMemory)
+    peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth, 0 unless measured
     history: list[dict] = field(default_factory=list)
 
     @property
@@ -126,10 +126,13 @@ def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: b
 def run(
     recipe: Recipe, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
     overwrite: bool = False, on_event: Event | None = None, recipe_path: str | Path | None = None,
+    measure_memory: bool = False,
 ) -> TrainResult:
     """Train the recipe's model into `out_dir`; see the module docstring for what is written.
     `recipe_path` is the file the recipe was read from: never written to, and never inside a
-    run directory that --overwrite would clear."""
+    run directory that `overwrite` would clear. `measure_memory`: on the CPU, sample the
+    resident set in a thread (instrument.PeakMemory) for TrainResult.peak_memory_mb; without
+    it the CPU figure is 0 and CUDA's comes from the allocator's own peak counter."""
     emit = on_event or (lambda kind, payload: None)
     started = time.perf_counter()
     out_dir = Path(out_dir)
@@ -138,8 +141,8 @@ def run(
     recipe_path = Path(recipe_path) if recipe_path is not None else None
     where = dict(resume=resume, overwrite=overwrite, recipe_path=recipe_path)
     prepare_run_dir(out_dir, recipe, **where, check_only=True)  # before minutes of data loading
-    job = make_job(recipe)
-    job.load(emit)
+    task = make_task(recipe)
+    task.load(emit)
     removed = prepare_run_dir(out_dir, recipe, **where)
     if removed:
         emit("setup", {"message": f"--overwrite removed {', '.join(removed)} from {out_dir}"})
@@ -148,10 +151,10 @@ def run(
         emit("warning", {"message": rt.warning})
     torch.manual_seed(cfg.seed)
 
-    job.prepare(out_dir, emit)
-    batches = job.train_batches
+    task.prepare(out_dir, emit)
+    batches = task.train_batches
     stamp = {"recipe": recipe.to_dict(), "tokenizer": tokenizer_digest(out_dir)}  # in every checkpoint
-    model = job.build_model().to(rt.device)
+    model = use_fast_dropout(task.build_model(), cfg.fast_paths).to(rt.device)
     optimizer = build_optimizer(model, cfg)
     progress = Progress()
     last = out_dir / "checkpoints" / "last.safetensors"
@@ -204,7 +207,8 @@ def run(
     stop_reason = None
     log_loss, log_units, log_tokens, log_time = 0.0, 0, 0, time.perf_counter()
     model.train()
-    with signals, PeakMemory(rt.device) as memory:
+    memory = PeakMemory(rt.device) if measure_memory else allocator_peak(rt.device)
+    with signals, memory:
         while stop_reason is None:
             epoch_iter = batches.iter_epoch(progress.epoch, skip=progress.batch_in_epoch)
             while True:
@@ -217,10 +221,10 @@ def run(
                 lr = learning_rate(progress.step, cfg)
                 for g in optimizer.param_groups:
                     g["lr"] = lr
-                n_units = sum(job.units(b) for b in group)  # what the loss is averaged over
-                n_tokens = sum(job.tokens(b) for b in group)
+                n_units = sum(task.units(b) for b in group)  # what the loss is averaged over
+                n_tokens = sum(task.tokens(b) for b in group)
                 for batch in group:
-                    loss = job.loss(model, batch, rt)
+                    loss = task.loss(model, batch, rt)
                     rt.backward(loss / n_units)
                     log_loss = log_loss + loss.detach()  # stays on the device: no sync per step
                 log_units += n_units
@@ -257,11 +261,11 @@ def run(
                 if progress.step % cfg.valid_every == 0 or final:
                     # a length curriculum's steps are checkpointed but not validated: scores at
                     # max_len say nothing about a model still training on shorter examples
-                    if progress.step >= job.curriculum_steps or final:
+                    if progress.step >= task.curriculum_steps or final:
                         if interrupted:
                             emit("setup", {"message": f"finishing the validation of step {progress.step} first "
                                                       "(a second interrupt stops at once)"})
-                        _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed, stamp)
+                        _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp)
                         if not interrupted:
                             stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))  # patience, time
                     checkpoint(stop_reason)
@@ -335,10 +339,10 @@ class _StopSignals:
             signal.signal(sig, handler)
 
 
-def _validate_and_save(model, recipe, job, rt, progress, out_dir, emit, elapsed, stamp) -> None:
+def _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp) -> None:
     """Validate; write the step checkpoint (kept for averaging) and, on improvement, the best."""
     cfg = recipe.train
-    scores = job.validate(model, rt)
+    scores = task.validate(model, rt)
     record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch + 1, **scores, "seconds": elapsed()}
     key = recipe.best_metric
     sign = -1.0 if key == "loss" else 1.0

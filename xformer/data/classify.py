@@ -1,6 +1,6 @@
 """Data for sequence classification: encoders, encoded splits and token-budget batches.
 
-Examples come either from a generated task (data/tasks.py: ListOps, associative recall) or
+Examples come either from a generated task (data/generators.py: ListOps, associative recall) or
 from a corpus with a text field and a label field (JSONL, local or Hub), which is how LRA Text
 (byte-level IMDb) or a user's own task comes in. A corpus is tokenized by
 
@@ -34,10 +34,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from xformer.checkpoint import atomic_write_text
 from xformer.data.batching import token_batches
-from xformer.data.tasks import TASKS, split_seed
+from xformer.data.generators import GENERATORS, split_seed
+from xformer.data.tokenizer import Tokenizer
 from xformer.errors import DataError
+from xformer.files import atomic_write_text
 
 PAD_ID, UNK_ID = 0, 1
 ENCODER_FILE = "encoder.json"
@@ -196,7 +197,6 @@ class TextEncoder:
         saved = json.loads(path.read_text())
         spm = None
         if saved["kind"] in ("unigram", "bpe"):
-            from xformer.data.tokenizer import Tokenizer
             spm = Tokenizer.load(directory, "text", "text")
         return cls(saved["kind"], saved.get("vocab"), spm), saved
 
@@ -216,31 +216,31 @@ def fit_vocab(texts: Sequence[str | None], kind: str, vocab_size: int) -> list[s
 
 @lru_cache(maxsize=8)
 def generated_splits(task: str, n_train: int, n_valid: int, n_test: int, max_len: int, seed: int,
-                     n_queries: int, n_pairs: int) -> dict[str, Examples]:
+                     options: tuple[tuple[str, int], ...] = ()) -> dict[str, Examples]:
     """Train / valid / test Examples of a generated task, each split from its own seed derived
-    from data.seed (cached: a sweep's runs at one length share them)."""
+    from data.seed; `options`: the generator's own arguments as sorted (name, value) pairs
+    (cached: a sweep's runs at one length share them)."""
     sizes = {"train": n_train, "valid": n_valid, "test": n_test}
-    return {split: _generate(task, n, max_len, split_seed(seed, split), n_queries, n_pairs, "data.max_len = ")
+    return {split: _generate(task, n, max_len, split_seed(seed, split), dict(options), "data.max_len = ")
             for split, n in sizes.items()}
 
 
-def curriculum_examples(task: str, n: int, length: int, seed: int, n_queries: int, n_pairs: int) -> Examples:
+def curriculum_examples(task: str, n: int, length: int, seed: int, **options: int) -> Examples:
     """A curriculum stage's training examples: the task generated at a shorter `length`, from a
     stream of its own (seeded by data.seed and the length, so no stage repeats the train split)."""
     stage_seed = int(np.random.SeedSequence([seed, 0, length]).generate_state(1)[0])
-    return _generate(task, n, length, stage_seed, n_queries, n_pairs, "data.curriculum_lengths: ")
+    return _generate(task, n, length, stage_seed, options, "data.curriculum_lengths: ")
 
 
-def _generate(task: str, n: int, length: int, seed: int, n_queries: int, n_pairs: int, where: str) -> Examples:
+def _generate(task: str, n: int, length: int, seed: int, options: dict, where: str) -> Examples:
     """n examples of a generated task; a length it cannot be generated at is a DataError naming `where`."""
-    extra = {"n_queries": n_queries, "n_pairs": n_pairs} if task == "recall" else {}
     try:
-        return Examples.from_pairs(TASKS[task][1](n, length, seed, **extra))
+        return Examples.from_pairs(GENERATORS[task][1](n, length, seed, **options))
     except ValueError as exc:
         raise DataError(f"{where}{length}: {exc}") from None
 
 
 def task_encoder(task: str) -> tuple[TextEncoder, int]:
     """The fixed vocabulary and number of classes of a generated task."""
-    spec = TASKS[task][0]()
+    spec = GENERATORS[task][0]()
     return TextEncoder("task", spec.vocab), spec.n_classes

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import os
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -31,6 +30,7 @@ import sentencepiece as spm
 
 from xformer.data.sampling import UnigramSampler
 from xformer.errors import DataError
+from xformer.files import atomic_write_bytes
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
 Side = Literal["source", "target"]
@@ -160,7 +160,7 @@ def train_tokenizer(
                                   character_coverage=character_coverage, byte_fallback=byte_fallback, seed=seed)
     directory.mkdir(parents=True, exist_ok=True)
     for path, proto in protos.items():
-        _write_atomic(path, proto)
+        atomic_write_bytes(path, proto)
     for path in stale:  # else Tokenizer.load would find two tokenizers
         path.unlink(missing_ok=True)
     return Tokenizer.load(directory, source_lang, target_lang)
@@ -229,16 +229,6 @@ def _load_model(path: Path) -> spm.SentencePieceProcessor:
             f"{PAD_ID}/{UNK_ID}/{BOS_ID}/{EOS_ID}; train it with xformer's train_tokenizer"
         )
     return model
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    """Write to a temporary name beside `path`, then rename: a reader never sees half a file."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    try:
-        temporary.write_bytes(data)
-        os.replace(temporary, path)
-    finally:
-        temporary.unlink(missing_ok=True)
 
 
 def _describe(split: datasets.Dataset) -> str:

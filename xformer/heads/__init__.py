@@ -1,5 +1,5 @@
 """Attention-head analysis: capture, statistics and roles, importance, pruning, report."""
 
-from xformer.heads.inspect import inspect_heads
+from xformer.heads.analyse import HeadsConfig, inspect_heads
 
-__all__ = ["inspect_heads"]
+__all__ = ["HeadsConfig", "inspect_heads"]

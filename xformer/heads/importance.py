@@ -23,8 +23,8 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from xformer.heads.subject import Subject
 from xformer.sites import heads_by_site
+from xformer.tasks.base import Subject
 
 Head = tuple[str, int]  # (site, head index)
 # What the surviving heads of a site are multiplied by when some go: (site, H, removed) -> (H,)

@@ -26,7 +26,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from xformer.heads.subject import SiteTokens, Subject, site_space
+from xformer.tasks.base import SiteTokens, Subject, site_space
 
 POSITIONAL_MIN = 0.90
 OFFSETS = (-1, 0, 1)

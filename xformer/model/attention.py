@@ -23,8 +23,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xformer.model.dropout import dropout as fast_dropout
-
 
 def explicit_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
@@ -46,7 +44,7 @@ def explicit_attention(
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
     probs = scores.softmax(dim=-1)
-    dropped = fast_dropout(probs, dropout, training)
+    dropped = F.dropout(probs, dropout, training)
     out = dropped.view(b, kv, h // kv, t, s) @ v[:, :, None]  # (B, K, G, T, Dh)
     return out.view(b, h, t, dh), probs
 

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from xformer.config import ModelConfig, Recipe
+from xformer.config import ModelConfig
 from xformer.model.attention import MultiHeadAttention
 from xformer.model.feedforward import FeedForward
 from xformer.model.lstm import LSTMClassifier, match_hidden
@@ -175,22 +175,3 @@ def count_parameters(model: nn.Module) -> dict[str, int]:
         if id(p) in embedding_ids:
             embedding += p.numel()
     return {"total": total, "embedding": embedding, "non_embedding": total - embedding}
-
-
-def build_for_recipe(recipe: Recipe, *, init: bool = True) -> Seq2Seq | Classifier | LSTMClassifier:
-    """The model a recipe describes, sized from its [data] table: translation vocabularies of
-    `data.vocab_size` each; a generated task's own vocabulary and classes; for a text corpus
-    `data.vocab_size` (258 for bytes) and 2 classes (the real count comes from the data).
-
-    Build it under `torch.device("meta")` to count parameters without allocating them."""
-    d = recipe.data
-    if not d.is_classification:
-        return build_model(recipe.model, d.vocab_size, tgt_vocab_size=d.vocab_size, init=init)
-    from xformer.data.tasks import TASKS
-
-    if d.task in TASKS:
-        spec = TASKS[d.task][0]()
-        vocab_size, n_classes = len(spec.vocab), spec.n_classes
-    else:
-        vocab_size, n_classes = (258 if d.tokenizer == "byte" else d.vocab_size), 2
-    return build_model(recipe.model, vocab_size, n_classes=n_classes, init=init)

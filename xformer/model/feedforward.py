@@ -3,8 +3,6 @@
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from xformer.model.dropout import Dropout
-
 # One entry per `model.activation` value. GELU: Hendrycks & Gimpel 2016, arXiv:1606.08415.
 ACTIVATIONS = {"relu": F.relu, "gelu": F.gelu}
 
@@ -17,7 +15,7 @@ class FeedForward(nn.Module):
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
         self.activation = ACTIVATIONS[activation]
-        self.dropout = Dropout(dropout)  # fairseq's activation_dropout
+        self.dropout = nn.Dropout(dropout)  # fairseq's activation_dropout
 
     def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
         return self.fc2(self.dropout(self.activation(self.fc1(x))))

@@ -14,8 +14,6 @@ import torch
 from torch import Tensor, nn
 from torch.nn.utils.rnn import pack_padded_sequence, pad_packed_sequence
 
-from xformer.model.dropout import Dropout
-
 LSTM_POOLING = ("last", "mean", "max")
 
 
@@ -35,7 +33,7 @@ class LSTMClassifier(nn.Module):
         self.embedding = nn.Embedding(vocab_size, d_embed, padding_idx=pad_id)
         self.lstm = nn.LSTM(d_embed, hidden, n_layers, batch_first=True, bidirectional=bidirectional,
                             dropout=dropout if n_layers > 1 else 0.0)
-        self.drop = Dropout(dropout)
+        self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(hidden * (2 if bidirectional else 1), n_classes)
 
     def forward(self, tokens: Tensor) -> Tensor:

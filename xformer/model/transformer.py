@@ -19,7 +19,6 @@ import torch
 from torch import Tensor, nn
 
 from xformer.model.attention import KVCache, MultiHeadAttention
-from xformer.model.dropout import Dropout
 from xformer.model.feedforward import FeedForward
 from xformer.model.masks import causal_mask, padding_mask
 from xformer.model.norms import NORMS
@@ -41,7 +40,7 @@ class EncoderLayer(nn.Module):
         self.self_attn_norm = NORMS[norm](d_model, norm_eps)
         self.ffn = FeedForward(d_model, d_ff, activation, activation_dropout)
         self.ffn_norm = NORMS[norm](d_model, norm_eps)
-        self.drop = Dropout(dropout)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, x: Tensor, mask: Tensor | None, rows: Tensor | None = None) -> Tensor:  # x: (B, S, D)
         """(B, S, D); with `rows` (B,) only those positions' outputs, (B, 1, D): the queries are
@@ -85,7 +84,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn_norm = NORMS[norm](d_model, norm_eps)
         self.ffn = FeedForward(d_model, d_ff, activation, activation_dropout)
         self.ffn_norm = NORMS[norm](d_model, norm_eps)
-        self.drop = Dropout(dropout)
+        self.drop = nn.Dropout(dropout)
 
     def forward(
         self, x: Tensor, memory: Tensor, self_mask: Tensor | None, is_causal: bool,
@@ -124,7 +123,7 @@ class Embedder(nn.Module):
         self.positional = positional
         self.max_positions = max_positions
         self.scale = math.sqrt(embedding.embedding_dim) if scale else 1.0
-        self.drop = Dropout(dropout)
+        self.drop = nn.Dropout(dropout)
 
     def forward(self, tokens: Tensor, offset: int = 0, prefix: Tensor | None = None) -> Tensor:
         """tokens: (B, T) -> (B, T, D), or (B, P + T, D) after `prefix` vectors (1, P, D)."""
@@ -261,7 +260,7 @@ class Classifier(nn.Module):
         self.pooling = pooling
         self.pad_id = pad_id
         self.cls = nn.Parameter(torch.zeros(1, 1, d_model)) if pooling == "cls" else None
-        self.drop = Dropout(dropout)
+        self.drop = nn.Dropout(dropout)
         self.head = nn.Linear(d_model, n_classes)
 
     def _last_row_only(self) -> bool:

@@ -1,18 +1,18 @@
-"""Synthetic classification tasks: ListOps (LRA) and multi-query associative recall."""
+"""The generators of synthetic classification data: ListOps (LRA) and multi-query associative recall."""
 
 from collections import Counter
 from statistics import median
 
 import pytest
 
-from xformer.data.tasks import (
-    TASKS,
+from xformer.data.generators import (
+    GENERATORS,
     evaluate_listops,
     generate_listops,
     generate_recall,
+    generator_splits,
     listops_spec,
     recall_spec,
-    task_splits,
 )
 
 
@@ -82,9 +82,9 @@ def test_listops_uses_every_operator_and_reaches_depth():
     assert max(depths) >= 6
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
+@pytest.mark.parametrize("name", sorted(GENERATORS))
 def test_deterministic_by_seed(name):
-    generate = TASKS[name][1]
+    generate = GENERATORS[name][1]
     assert generate(50, 128, 3) == generate(50, 128, 3)
     assert generate(50, 128, 3) != generate(50, 128, 4)
 
@@ -137,14 +137,14 @@ def test_recall_spec_sizes_and_custom_vocab():
         generate_recall(1, 19, seed=0, n_pairs=8, n_queries=4)  # 16 + 4 tokens do not fit in 19
 
 
-@pytest.mark.parametrize("name", sorted(TASKS))
-def test_task_splits_sizes_determinism_and_disjoint_seeds(name):
-    splits = task_splits(name, 40, 10, 10, 256, seed=0)
+@pytest.mark.parametrize("name", sorted(GENERATORS))
+def test_generator_splits_sizes_determinism_and_disjoint_seeds(name):
+    splits = generator_splits(name, 40, 10, 10, 256, seed=0)
     assert {k: len(v) for k, v in splits.items()} == {"train": 40, "valid": 10, "test": 10}
-    assert splits == task_splits(name, 40, 10, 10, 256, seed=0)
+    assert splits == generator_splits(name, 40, 10, 10, 256, seed=0)
     seqs = {k: {tuple(ids) for ids, _ in v} for k, v in splits.items()}
     assert not (seqs["train"] & seqs["valid"] or seqs["train"] & seqs["test"] or seqs["valid"] & seqs["test"])
     assert splits["train"][:10] != splits["valid"] and splits["valid"] != splits["test"]
-    assert task_splits(name, 40, 10, 10, 256, seed=1)["train"] != splits["train"]
+    assert generator_splits(name, 40, 10, 10, 256, seed=1)["train"] != splits["train"]
     with pytest.raises(ValueError):
-        task_splits("nope", 1, 1, 1, 64, seed=0)
+        generator_splits("nope", 1, 1, 1, 64, seed=0)

@@ -13,81 +13,118 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
-import json
 import shutil
 import time
-from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Literal
 
 import numpy as np
 
-from xformer.checkpoint import atomic_write_text, run_checkpoint, save_checkpoint
-from xformer.data.tokenizer import PAD_ID
+from xformer.checkpoint import run_checkpoint, save_checkpoint
 from xformer.errors import RunError
+from xformer.events import Event
+from xformer.files import atomic_write_text
 from xformer.heads import importance as imp
-from xformer.heads.stats import collect
-from xformer.heads.subject import Subject, load_subject, site_space
-from xformer.model.build import attention_modules, build_model, count_parameters
+from xformer.heads import stats
+from xformer.heads.report import write_artifacts
+from xformer.model.build import attention_modules, count_parameters
+from xformer.recipe_io import load_run_recipe
+from xformer.results import HeadsReport
 from xformer.rundir import mark_run_dir, tokenizer_digest
 from xformer.sites import heads_by_site
+from xformer.tasks import make_task
+from xformer.tasks.base import Subject, site_space
 
 SPACE_FRACTIONS = [0.0, 0.25, 0.5, 0.75, 1.0]
 ABLATIONS = ("zero", "mean", "rescale", "renorm")
-Event = Callable[[str, dict], None]
-
-
 PRUNE_ORDERS = ("one-shot", "gradient", "greedy")
+IMPORTANCE_METRICS = ("loss", "bleu", "accuracy")
 
 
-def inspect_heads(
-    run_dir: str | Path, *, out: str | Path | None = None, split: str | None = None, data: str | None = None,
-    n_examples: int = 500, importance: str = "loss", prune: bool = False, prune_split: str | None = None,
-    max_drop: float = 0.5, save_pruned: str | Path | None = None, checkpoint: str | None = None,
-    ablate: str = "zero", prune_order: str = "one-shot", prune_step: float = 0.1, device: str = "auto",
-    on_event: Event | None = None,
-) -> dict:
-    """Analyse every attention head of a run; write heads.json, PNGs and report.html to `out`
-    (default RUN/heads) and return the heads.json content. `ablate`: a removed head outputs
-    "zero" (Michel et al.) or its "mean" output over the analysed examples (folded into the
-    out_proj bias when the pruned model is saved). `prune_order`: "one-shot" (increasing ablation
-    importance), "gradient" (increasing gradient importance normalised per layer: Michel et al.
-    2019's order) or "greedy" (re-ranked on `split` after every pruning step,
-    importance.greedy_order).
-    `ablate` "rescale": mean-ablation plus a least-squares rescaling of each touched site's surviving
-    heads (importance.rescaled_gate; statistics from `split`), also folded into the saved model.
-    `ablate` "renorm": zero, with each touched site's surviving heads scaled by H / kept
+@dataclass
+class HeadsConfig:
+    """What `inspect_heads` analyses and how.
+
+    `ablate`: a removed head outputs "zero" (Michel et al. 2019) or its "mean" output over the
+    analysed examples (folded into the out_proj bias when the pruned model is saved);
+    "rescale": mean-ablation plus a least-squares rescaling of each touched site's surviving
+    heads (importance.least_squares; statistics from `split`), also folded into the saved model;
+    "renorm": zero, with each touched site's surviving heads scaled by H / kept
     (importance.renormalised), as a model trained with DropHead (model.head_dropout) saw it.
-    `prune_step`: the whole-model curve's spacing, as a fraction of all heads."""
-    if ablate not in ABLATIONS:
-        raise RunError(f"--ablate {ablate}: expected {', '.join(ABLATIONS)}")
-    if prune_order not in PRUNE_ORDERS:
-        raise RunError(f"--prune-order {prune_order}: expected {', '.join(PRUNE_ORDERS)}")
-    if not 0 < prune_step <= 0.5:
-        raise RunError(f"--prune-step {prune_step:g}: expected a fraction of the heads in (0, 0.5]")
-    if max_drop < 0:
-        raise RunError(f"--max-drop {max_drop:g}: expected a drop >= 0")
+    `prune_order`: "one-shot" (increasing ablation importance), "gradient" (increasing gradient
+    importance normalised per layer: Michel et al. 2019's order) or "greedy" (re-ranked on
+    `split` after every pruning step, importance.greedy_order). `prune_step`: the whole-model
+    curve's spacing, as a fraction of all heads."""
+
+    split: str | None = None  # default: the recipe's validation split
+    data: str | None = None  # a JSONL file or folder with the recipe's fields instead
+    n_examples: int = 500
+    out: str | Path | None = None  # default: RUN/heads
+    importance: Literal["loss", "bleu", "accuracy"] = "loss"
+    ablate: Literal["zero", "mean", "rescale", "renorm"] = "zero"
+    prune: bool = False
+    prune_split: str | None = None  # default: the test split
+    prune_order: Literal["one-shot", "gradient", "greedy"] = "one-shot"
+    prune_step: float = 0.1
+    max_drop: float = 0.5
+    save_pruned: str | Path | None = None  # implies prune
+    checkpoint: str | None = None  # default: the recipe's eval.checkpoint
+    device: str = "auto"
+
+    def problems(self) -> list[str]:
+        out = []
+        if self.ablate not in ABLATIONS:
+            out.append(f"ablate: expected {', '.join(ABLATIONS)}, found {self.ablate!r}")
+        if self.prune_order not in PRUNE_ORDERS:
+            out.append(f"prune_order: expected {', '.join(PRUNE_ORDERS)}, found {self.prune_order!r}")
+        if self.importance not in IMPORTANCE_METRICS:
+            out.append(f"importance: expected {', '.join(IMPORTANCE_METRICS)}, found {self.importance!r}")
+        if not 0 < self.prune_step <= 0.5:
+            out.append(f"prune_step: expected a fraction of the heads in (0, 0.5], found {self.prune_step:g}")
+        if self.max_drop < 0:
+            out.append(f"max_drop: expected a drop >= 0, found {self.max_drop:g}")
+        if self.n_examples < 1:
+            out.append(f"n_examples: expected at least 1, found {self.n_examples}")
+        return out
+
+
+def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
+                  on_event: Event | None = None) -> HeadsReport:
+    """Analyse every attention head of a run; write heads.json, PNGs and report.html to
+    config.out (default RUN/heads) and return what heads.json holds. Events: "start" (sites,
+    heads, examples), "phase" (name, total), "advance" (done)."""
+    config = config or HeadsConfig()
+    problems = config.problems()
+    if problems:
+        raise RunError(problems)
+    ablate, importance, prune_order = config.ablate, config.importance, config.prune_order
+    split, data, max_drop, save_pruned = config.split, config.data, config.max_drop, config.save_pruned
+    prune = config.prune or save_pruned is not None
+    checkpoint = config.checkpoint
     emit = on_event or (lambda kind, info: None)
     run_dir = Path(run_dir)
-    out = Path(out) if out is not None else run_dir / "heads"
-    if save_pruned is not None:
-        prune = True
-        if Path(save_pruned).exists() and any(Path(save_pruned).iterdir()):
-            raise RunError(f"--save-pruned {save_pruned}: exists and is not empty; choose a new directory")
+    out = Path(config.out) if config.out is not None else run_dir / "heads"
+    if save_pruned is not None and Path(save_pruned).exists() and any(Path(save_pruned).iterdir()):
+        raise RunError(f"save_pruned: {save_pruned} exists and is not empty; choose a new directory")
     started = time.perf_counter()
-    subject = load_subject(run_dir, split=split, data=data, n_examples=n_examples, checkpoint=checkpoint, device=device)
+    recipe = load_run_recipe(run_dir)
+    checkpoint = checkpoint or recipe.eval.checkpoint
+    subject = make_task(recipe).subject(run_dir, split=split, data=data, n_examples=config.n_examples,
+                                        checkpoint=checkpoint, device=config.device)
     if importance not in subject.metric_names:
-        raise RunError(f"--importance {importance}: a {subject.kind} run ranks heads by "
-                       f"{' or '.join(subject.metric_names)}")
+        raise RunError(f"importance: a {subject.kind} run ranks heads by {' or '.join(subject.metric_names)}, "
+                       f"found {importance!r}")
     sites = attention_modules(subject.model)
     emit("start", {"sites": len(sites), "heads": sum(m.n_heads for m in sites.values()),
                    "examples": sum(len(b["rows"]) for b in subject.batches)})
 
     emit("phase", {"name": "attention statistics", "total": len(subject.batches)})
-    stats = collect(subject, sites, contributions=ablate == "rescale")
-    fill = stats["mean_outputs"] if ablate in ("mean", "rescale") else None
+    captured = stats.collect(subject, sites, contributions=ablate == "rescale")
+    fill = captured["mean_outputs"] if ablate in ("mean", "rescale") else None
     rule = None  # survivors unchanged ("zero", "mean")
     if ablate == "rescale":
-        rule = imp.least_squares(stats["contribution_cov"])
+        rule = imp.least_squares(captured["contribution_cov"])
     elif ablate == "renorm":
         rule = imp.renormalised
     emit("phase", {"name": f"{ablate}-ablation ({importance})", "total": sum(m.n_heads for m in sites.values())})
@@ -97,7 +134,7 @@ def inspect_heads(
     emit("phase", {"name": "gradient importance", "total": 1})
     raw_gradient = imp.gate_gradients(subject, sites)
     gradient = imp.normalise_per_layer(raw_gradient)
-    confidence = {site: [h["confidence"] for h in stats["heads"][site]] for site in sites}
+    confidence = {site: [h["confidence"] for h in captured["heads"][site]] for site in sites}
     flat = {name: [v for _, v in imp.flatten(values)] for name, values in
             (("ablation", ablation), ("gradient", gradient), ("confidence", confidence))}
     correlation = {f"{a}~{b}": imp.spearman(flat[a], flat[b])
@@ -109,33 +146,32 @@ def inspect_heads(
             heads.append({"site": site, "space": site_space(site), "layer": int(site.split(".")[1]), "head": h,
                           "kv_group": h // (module.n_heads // module.n_kv_heads),
                           "ablation": ablation[site][h], "gradient": gradient[site][h],
-                          "gradient_raw": raw_gradient[site][h], **stats["heads"][site][h]})
+                          "gradient_raw": raw_gradient[site][h], **captured["heads"][site][h]})
     report = {
         "run": str(run_dir), "kind": subject.kind, "split": split or "validation", "data": data,
         "n_examples": sum(len(b["rows"]) for b in subject.batches), "importance_metric": importance,
         "ablate": ablate,
         "base_metric": base, "heads": heads, "kv_groups": groups,
-        "rank_correlation": correlation, "similarity": stats["similarity"], "criteria": _criteria(),
+        "rank_correlation": correlation, "similarity": captured["similarity"], "criteria": _criteria(),
         "syntactic": _syntactic_note(),
     }
     if prune:
-        held_out, held_out_name = _held_out(subject, prune_split)  # loaded once: curve and saved model
+        held_out, held_out_name = subject.held_out(config.prune_split)  # loaded once: curve and saved model
         ranking = gradient if prune_order == "gradient" else ablation
         report["pruning"] = _pruning(subject, sites, ranking, fill, rule, prune_order, importance, held_out,
-                                     held_out_name, max_drop, prune_fractions(prune_step), emit)
+                                     held_out_name, max_drop, prune_fractions(config.prune_step), emit)
         if save_pruned is not None and not report["pruning"]["largest_within_max_drop"]["pruned"]:
-            report["pruned_model"] = {"path": None, "reason": f"no pruning step stays within --max-drop {max_drop:g}; "
+            report["pruned_model"] = {"path": None, "reason": f"no pruning step stays within max_drop {max_drop:g}; "
                                                               "nothing saved"}
         elif save_pruned is not None:
             report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, rule, report["pruning"],
                                                   held_out, Path(save_pruned), checkpoint)
     report["seconds"] = time.perf_counter() - started
     emit("phase", {"name": "report", "total": 1})
-    from xformer.heads.report import write_artifacts
-
-    report["artifacts"] = write_artifacts(out, report, stats["examples"])
-    atomic_write_text(out / "heads.json", json.dumps(report, indent=2))
-    return report
+    report["artifacts"] = write_artifacts(out, report, captured["examples"])
+    result = HeadsReport(**report)
+    atomic_write_text(out / "heads.json", result.to_json())
+    return result
 
 
 def _pruning(subject: Subject, sites: dict, ranking: dict, fill: dict | None, rule: imp.GateRule | None,
@@ -199,24 +235,6 @@ def prune_fractions(step: float) -> list[float]:
     return [round(i * step, 9) for i in range(int(1 / step) + 2) if i * step < 1 - 1e-9]
 
 
-def _held_out(subject: Subject, prune_split: str | None):
-    recipe = subject.recipe
-    if subject.kind == "classification":
-        from xformer.classification import split_examples
-        from xformer.data.classify import TextEncoder
-        from xformer.tokenize import tokenizer_dir
-
-        encoder, saved = TextEncoder.load(tokenizer_dir(subject.run_dir))
-        examples, name = split_examples(recipe, encoder, saved["labels"], prune_split, None)
-        return examples, name
-    from xformer.data.corpus import load_split
-
-    d = recipe.data
-    name = prune_split or d.test_split
-    raw = load_split(d.dataset, name, [d.source_lang, d.target_lang], d.dataset_config or None)
-    return (subject.tokenizer.encode(list(raw[d.source_lang]), "source"), list(raw[d.target_lang])), name
-
-
 def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, fill: dict | None,
                  rule: imp.GateRule | None, pruning: dict, held_out, target: Path, checkpoint: str | None) -> dict:
     """A new run directory holding the model with the heads of the largest pruning step within
@@ -242,12 +260,7 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
     for site, hs in heads_by_site(entries).items():
         gate = None if rule is None else rule(site, sites[site].n_heads, hs)
         attention_modules(pruned)[site].prune_heads(hs, None if fill is None else fill[site], gate)
-    vocab = dict(vocab_size=model.encoder.embed.embedding.num_embeddings, pad_id=PAD_ID, init=False)
-    if subject.kind == "translation":
-        vocab["tgt_vocab_size"] = model.decoder.embed.embedding.num_embeddings
-    else:
-        vocab["n_classes"] = model.head.out_features
-    smaller = build_model(pruned_cfg, **vocab)  # what `xformer eval` will build from the recipe
+    smaller = subject.task.build_model(init=False, model_config=pruned_cfg)  # what `xformer eval` will build
     smaller.load_state_dict(pruned.state_dict())
     target.mkdir(parents=True, exist_ok=True)
     atomic_write_text(target / "recipe.toml", pruned_recipe.to_toml())
@@ -268,8 +281,6 @@ def _save_pruned(run_dir: Path, subject: Subject, sites: dict, ablation: dict, f
 
 
 def _criteria() -> dict:
-    from xformer.heads import stats
-
     return {"positional": f"argmax on one relative offset (-1, 0, +1) for >= {stats.POSITIONAL_MIN:.0%} of queries",
             "rare-word": f"argmax on the sentence's rarest token (training-corpus counts) at >= "
                          f"{stats.RARE_MIN_RATIO:g}x the uniform chance rate and >= "
@@ -281,7 +292,7 @@ def _criteria() -> dict:
                           "or by its mean output with the site's other heads rescaled by least squares to "
                           "reconstruct the site's output (Kwon et al. 2022's mask tuning in closed form), "
                           "or by zero with the site's other heads scaled by H / kept (DropHead's training view) "
-                          "(--ablate; larger = more important); gradient: "
+                          "(ablate; larger = more important); gradient: "
                           "Michel et al. 2019 |dL/dgate| summed over batches, L2-normalised per layer; "
                           "confidence: mean max weight (Voita et al. 2019)"}
 

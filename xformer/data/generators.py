@@ -1,7 +1,8 @@
-"""Synthetic long-range classification tasks: ListOps (LRA) and multi-query associative recall.
+"""Generators of synthetic long-range classification data: ListOps (LRA) and multi-query
+associative recall (the tasks that use them are xformer/tasks/generated.py).
 
 Each task yields `(token_ids, label)` pairs for a sequence classifier: one label per
-sequence, ids index `TaskSpec.vocab`, and id 0 is always `"<pad>"` (never emitted).
+sequence, ids index `GeneratorSpec.vocab`, and id 0 is always `"<pad>"` (never emitted).
 
 ListOps -- Long Range Arena, Tay et al. 2020 (arXiv:2011.04006), after Nangia & Bowman 2018
 (arXiv:1804.06028). Follows google-research/long-range-arena, lra_benchmarks/data/listops.py:
@@ -53,7 +54,7 @@ PAD = "<pad>"
 
 
 @dataclass(frozen=True)
-class TaskSpec:
+class GeneratorSpec:
     """A classification task: its vocabulary (vocab[pad_id] == "<pad>") and number of labels."""
 
     name: str
@@ -74,9 +75,9 @@ MAX_ARGS = 10
 LISTOPS_VOCAB = [PAD, MAX, MIN, MED, SUM_MOD, END] + [str(v) for v in VALUES]
 
 
-def listops_spec() -> TaskSpec:
+def listops_spec() -> GeneratorSpec:
     """ListOps (LRA): 16 tokens, labels 0..9."""
-    return TaskSpec(name="listops", vocab=list(LISTOPS_VOCAB), n_classes=10)
+    return GeneratorSpec(name="listops", vocab=list(LISTOPS_VOCAB), n_classes=10)
 
 
 def _apply(op: str, args: list[int]) -> int:
@@ -199,11 +200,11 @@ RECALL_N_PAIRS = 8
 
 
 def recall_spec(n_keys: int = RECALL_N_KEYS, n_values: int = RECALL_N_VALUES,
-                n_filler: int = RECALL_N_FILLER) -> TaskSpec:
+                n_filler: int = RECALL_N_FILLER) -> GeneratorSpec:
     """MQAR as classification: vocab <pad>, k0.., v0.., f0..; one class per value token."""
     vocab = ([PAD] + [f"k{i}" for i in range(n_keys)] + [f"v{i}" for i in range(n_values)]
              + [f"f{i}" for i in range(n_filler)])
-    return TaskSpec(name="recall", vocab=vocab, n_classes=n_values)
+    return GeneratorSpec(name="recall", vocab=vocab, n_classes=n_values)
 
 
 def generate_recall(
@@ -247,9 +248,9 @@ def generate_recall(
     return data
 
 
-# ---------------------------------------------------------------- registry and splits
+# ---------------------------------------------------------------- by name, and splits
 
-TASKS = {
+GENERATORS = {
     "listops": (listops_spec, generate_listops),
     "recall": (recall_spec, generate_recall),
 }
@@ -262,16 +263,16 @@ def split_seed(seed: int, split: str) -> int:
     return int(np.random.SeedSequence([seed, SPLITS.index(split)]).generate_state(1)[0])
 
 
-def task_splits(
+def generator_splits(
     name: str, n_train: int, n_valid: int, n_test: int, seq_len: int, seed: int
 ) -> dict[str, list[tuple[list[int], int]]]:
-    """Train/valid/test data for task `name`, each split from its own derived seed.
+    """Train/valid/test data of generator `name`, each split from its own derived seed.
 
     Splits are independent draws: for ListOps at short lengths a sequence can recur across
     splits (LRA's single set would exclude that); at LRA lengths this is vanishingly rare.
     """
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; expected one of {sorted(TASKS)}")
-    generate = TASKS[name][1]
+    if name not in GENERATORS:
+        raise ValueError(f"unknown task {name!r}; expected one of {sorted(GENERATORS)}")
+    generate = GENERATORS[name][1]
     sizes = {"train": n_train, "valid": n_valid, "test": n_test}
     return {split: generate(sizes[split], seq_len, split_seed(seed, split)) for split in SPLITS}

@@ -1,0 +1,125 @@
+"""What the core's commands return: plain dataclasses, written to JSON with the same keys.
+
+The CLI renders them by type; a library caller reads fields. `to_dict()` is what the JSON
+files (RUN/eval.json, RUN/eval/*.json, heads.json, ...) hold.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+
+class Result:
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def to_json(self, indent: int | None = 2) -> str:
+        return json.dumps(self.to_dict(), indent=indent)
+
+
+@dataclass
+class TranslationEval(Result):
+    """A translation run scored on a split or a file (`xformer eval`)."""
+
+    bleu: float  # cased sacreBLEU
+    bleu_lc: float  # lowercased
+    chrf: float
+    signature: str  # sacreBLEU's signature of the cased score
+    chrf_signature: str
+    n_sentences: int
+    data: str  # the corpus or file scored
+    split: str | None  # None when `data` is a file given instead of the recipe's corpus
+    checkpoint: str
+    beam: int
+    lenpen: float
+    decode_seconds: float
+    sentences_per_s: float
+    hypotheses: str  # the file of hypotheses, one per line
+
+
+@dataclass
+class ClassificationEval(Result):
+    """A classification run scored on a split or a file (`xformer eval`)."""
+
+    accuracy: float  # percent
+    loss: float  # mean cross-entropy per example
+    n_examples: int
+    task: str
+    split: str  # the split, or data-<name>-<digest> for a file
+    checkpoint: str
+    labels: list[str]  # class index -> label
+    majority_accuracy: float  # percent, always predicting the most frequent label
+    predictions: str  # the file of predicted labels, one per line
+    confusion: list[list[int]] | None = None  # [true][predicted]; None above 20 classes
+
+
+@dataclass
+class CheckResult(Result):
+    """A validated recipe and the size of its model (`xformer check`)."""
+
+    config: dict[str, dict[str, Any]]
+    derived: dict[str, Any]
+    parameters: dict[str, int]  # total, embedding, non_embedding
+
+
+@dataclass
+class AverageResult(Result):
+    """An averaged checkpoint written into a run (`xformer average`)."""
+
+    path: str
+    averaged: list[str]  # checkpoint file names, oldest first
+    steps: list[int]
+
+
+@dataclass
+class TokenizeResult(Result):
+    """A run's trained tokenizer described on a sample of training pairs (`xformer tokenize`)."""
+
+    directory: str
+    files: list[str]
+    joint: bool
+    source_vocab: int
+    target_vocab: int
+    source_pieces_per_sentence: float
+    target_pieces_per_sentence: float
+    source_unk_rate: float
+    target_unk_rate: float
+
+
+@dataclass
+class HeadsReport(Result):
+    """The head analysis of a run (`xformer inspect-heads`): what heads.json holds."""
+
+    run: str
+    kind: str  # "translation" or "classification"
+    split: str
+    data: str | None
+    n_examples: int
+    importance_metric: str
+    ablate: str
+    base_metric: float
+    heads: list[dict]  # one per head: site, space, layer, head, ablation, gradient, roles, ...
+    kv_groups: dict
+    rank_correlation: dict[str, float]
+    similarity: dict
+    criteria: dict[str, str]
+    syntactic: str
+    pruning: dict | None = None
+    pruned_model: dict | None = None
+    seconds: float = 0.0
+    artifacts: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass
+class SweepResult(Result):
+    """A Transformer-vs-LSTM length sweep (`xformer longrange`): what comparison.json holds."""
+
+    task: str
+    budget_per_run: str
+    lengths: list[int]
+    seeds: list[int]
+    device: str | None
+    summary: list[dict]  # per (model, length): accuracy mean and std over seeds, parameters, tokens/s, memory
+    rows: list[dict]  # one per trained run

@@ -1,0 +1,259 @@
+"""What every task gives the training loop, evaluation and head inspection.
+
+A task is one value of `data.task`: it owns the [data] table's fields (a DataConfig subclass),
+loads and encodes the examples, builds the model they need, turns a batch into a loss, and
+scores a model. train.run, evaluate.evaluate_run and heads.inspect_heads ask the task; none of
+them branches on which task it is.
+
+    task = make_task(recipe)                 # xformer.tasks
+    task.load(emit)                          # the raw splits (fails before RUN is touched)
+    task.prepare(run_dir, emit)              # tokenizer/encoder in RUN/tokenizer, task.train_batches
+    model = task.build_model()
+    loss = task.loss(model, batch, rt)       # summed over the batch; divided by task.units(batch)
+    task.tokens(batch)                       # tokens it trained on, for tokens/s
+    scores = task.validate(model, rt)        # {"loss": ..., and the task's METRICS}
+    task.curriculum_steps                    # steps of shorter examples first: not validated
+
+    model, rt = task.open_run(run_dir, checkpoint, device)   # a trained run's model and vocabulary
+    task.evaluate(run_dir, EvalRequest(...)) -> TranslationEval | ClassificationEval
+    task.predict(run_dir, lines, ...)        # translations, or predicted labels
+    task.subject(run_dir, ...) -> Subject    # what inspect-heads analyses
+
+A fourth task is one new module with a DataConfig subclass and a Task subclass, and one line
+in xformer.tasks.TASKS (tests/test_tasks_api.py adds one that way).
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar, Literal
+
+import numpy as np
+import torch
+
+from xformer.checkpoint import load_model_weights, read_checkpoint, run_checkpoint
+from xformer.config import DataConfig, Recipe
+from xformer.data.corpus import load_split
+from xformer.errors import DataError, RunError
+from xformer.events import Event
+from xformer.model.build import build_model
+from xformer.rundir import check_tokenizer
+from xformer.runtime import Runtime, resolve_runtime
+from xformer.strict import positive
+
+# sentencepiece models (translation, classification) or fixed schemes (classification only)
+Tokenization = Literal["unigram", "bpe", "char", "byte", "whitespace"]
+
+
+@dataclass
+class CorpusData(DataConfig):
+    """[data] of a task read from a corpus: a Hub id ("bentrevett/multi30k") or a local folder
+    or file (JSONL, TSV, parallel text), its splits, and how its text is tokenized."""
+
+    dataset: str = "bentrevett/multi30k"
+    dataset_config: str = ""  # a Hub dataset's configuration, e.g. "de-en" for wmt14; "" for none
+    train_split: str = "train"
+    valid_split: str = "validation"
+    test_split: str = "test"
+    tokenizer: Tokenization = "unigram"
+    vocab_size: int = 8000
+    character_coverage: float = 1.0
+    byte_fallback: bool = False
+
+    def problems(self) -> list[str]:
+        out = super().problems() + positive(self, "vocab_size")
+        if not 0 < self.character_coverage <= 1:
+            out.append(f"data.character_coverage: expected a number in (0, 1], found {self.character_coverage}")
+        return out
+
+
+@dataclass
+class EvalRequest:
+    """What `xformer eval` asks of a run; None means the recipe's value."""
+
+    split: str | None = None
+    data: str | None = None  # a JSONL file or folder with the recipe's fields, instead of a split
+    checkpoint: str | None = None
+    device: str = "auto"
+    beam: int | None = None  # translation only
+    lenpen: float | None = None  # translation only
+    on_progress: Any = None  # Callable[[done, total], None]
+
+
+class Task:
+    """Base of every task; see the module docstring for the protocol."""
+
+    Data: ClassVar[type[DataConfig]]
+    curriculum_steps: int = 0
+    train_batches: Any = None
+
+    def __init__(self, recipe: Recipe):
+        self.recipe = recipe
+
+    # ------------------------------------------------------------ training
+    def load(self, emit: Event) -> None:
+        raise NotImplementedError
+
+    def prepare(self, run_dir: Path, emit: Event) -> None:
+        raise NotImplementedError
+
+    def model_sizes(self) -> dict:
+        """build_model's vocabulary and output arguments: from the data once prepared or opened,
+        else what the recipe says (for `xformer check` and parameter counts)."""
+        raise NotImplementedError
+
+    def build_model(self, *, init: bool = True, model_config=None):
+        return build_model(model_config or self.recipe.model, **self.model_sizes(), init=init)
+
+    def units(self, batch: dict) -> int:
+        raise NotImplementedError
+
+    def tokens(self, batch: dict) -> int:
+        raise NotImplementedError
+
+    def loss(self, model, batch: dict, rt: Runtime) -> torch.Tensor:
+        raise NotImplementedError
+
+    def validate(self, model, rt: Runtime) -> dict:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------ a trained run
+    def load_vocabulary(self, run_dir: Path) -> None:
+        """Read RUN/tokenizer (the tokenizer or encoder the run was trained with)."""
+        raise NotImplementedError
+
+    def open_run(self, run_dir: str | Path, checkpoint: str, device: str = "auto",
+                 precision: str = "auto"):
+        """(model on its device in eval mode, runtime) of a trained run's checkpoint."""
+        run_dir = Path(run_dir)
+        self.load_vocabulary(run_dir)
+        path = run_checkpoint(run_dir, checkpoint)
+        tensors, meta = read_checkpoint(path)
+        check_tokenizer(run_dir, path, meta)
+        rt = resolve_runtime(device, precision, training=False)
+        model = self.build_model(init=False)
+        load_model_weights(model, tensors, path)
+        return model.to(rt.device).eval(), rt
+
+    def evaluate(self, run_dir: Path, request: EvalRequest):
+        raise NotImplementedError
+
+    def predict(self, run_dir: Path, lines: list[str], **options) -> list[str]:
+        raise RunError(f"{run_dir}: a {self.recipe.data.task} run; translate needs a translation run")
+
+    def subject(self, run_dir: Path, *, split: str | None, data: str | None, n_examples: int,
+                checkpoint: str, device: str) -> Subject:
+        raise RunError(f"{run_dir}: data.task = {self.recipe.data.task!r} has no attention heads to inspect")
+
+
+def load_training_splits(data: CorpusData, fields: list[str], emit: Event, numeric: tuple[str, ...] | None = None):
+    """The raw train and validation splits of a corpus, with `fields`; a single file cannot be
+    both (it would validate on the training data). With `numeric` (classification: the label
+    field), every row must hold every field (load_split's `complete`)."""
+    if Path(data.dataset).expanduser().is_file():
+        raise DataError(f"data.dataset: {data.dataset} is a single file; training needs a folder or Hub id with "
+                        f"'{data.train_split}' and '{data.valid_split}' splits")
+    emit("setup", {"message": f"loading {data.dataset} ({data.train_split}, {data.valid_split})"})
+    config = data.dataset_config or None
+    strict = {} if numeric is None else {"complete": True, "numeric": numeric}
+    return (load_split(data.dataset, data.train_split, fields, config, **strict),
+            load_split(data.dataset, data.valid_split, fields, config, **strict))
+
+
+# ---------------------------------------------------------------- what inspect-heads analyses
+
+SPACES = ("encoder", "decoder", "cross")  # query x key spaces: src x src, tgt x tgt, tgt x src
+
+
+@dataclass
+class SiteTokens:
+    """Token ids of a site's queries (B, T) and keys (B, S), with -1 at positions that do not
+    exist (padding) and -2 at the classifier's CLS slot."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+
+
+def site_space(site: str) -> str:
+    """encoder.<i>.self_attn -> "encoder", decoder.<i>.self_attn -> "decoder", *.cross_attn -> "cross"."""
+    if site.endswith("cross_attn"):
+        return "cross"
+    return site.split(".", 1)[0]
+
+
+class Subject:
+    """A trained run's model, a fixed set of its inputs in batches (dicts of tensors), and how to
+    score it; each task's subclass says for every attention site which tokens its queries and
+    keys are, so statistics can ask "is this key a special token, punctuation, the rarest word
+    of the sentence?" without knowing the task."""
+
+    KIND: ClassVar[str] = ""
+    METRICS: ClassVar[tuple[str, ...]] = ()  # what heads can be ranked by (loss first)
+    SPECIAL_IDS: ClassVar[frozenset[int]] = frozenset()
+
+    def __init__(self, model, recipe: Recipe, rt: Runtime, batches: list[dict], token_text: dict[str, list[str]],
+                 frequency: dict[str, np.ndarray], task: Task | None = None):
+        self.model, self.recipe, self.rt, self.batches, self.task = model, recipe, rt, batches, task
+        self.token_text = token_text  # side ("source"/"target") -> piece of every id
+        self.frequency = frequency  # side -> training-corpus count of every id
+        self.punct = {side: np.array([_is_punct(t) for t in texts]) for side, texts in token_text.items()}
+        self.run_dir: Path | None = None
+
+    @property
+    def kind(self) -> str:
+        return self.KIND
+
+    @property
+    def metric_names(self) -> tuple[str, ...]:
+        return self.METRICS
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self.SPECIAL_IDS
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        raise NotImplementedError
+
+    def loss_sum(self, batch: dict) -> tuple[torch.Tensor, int]:
+        """Summed loss over the batch and what it is averaged over (target tokens, examples)."""
+        raise NotImplementedError
+
+    def site_tokens(self, site: str, batch: dict) -> SiteTokens:
+        raise NotImplementedError
+
+    def side(self, site: str, role: str) -> str:
+        """The vocabulary side of a site's queries or keys ("source" or "target")."""
+        space = site_space(site)
+        if space == "encoder" or (space == "cross" and role == "key"):
+            return "source"
+        return "target"
+
+    def mean_loss(self) -> float:
+        total, count = 0.0, 0
+        with torch.no_grad(), self.rt.autocast():
+            for batch in self.batches:
+                loss, n = self.loss_sum(batch)
+                total, count = total + loss.item(), count + n
+        return total / max(count, 1)
+
+    def score(self, metric: str, examples=None) -> float:
+        """`metric` over the analysis examples, or over `examples` (held_out's)."""
+        raise NotImplementedError
+
+    def held_out(self, split: str | None) -> tuple[Any, str]:
+        """The examples a pruning curve is measured on (default: the test split) and their name."""
+        raise NotImplementedError
+
+    def model_sizes(self) -> dict:
+        return self.task.model_sizes()
+
+
+def mark_pad(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
+    return tokens.masked_fill(tokens.eq(pad_id), -1)
+
+
+def _is_punct(piece: str) -> bool:
+    text = piece.replace("\u2581", "").strip()
+    return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)

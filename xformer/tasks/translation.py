@@ -1,0 +1,368 @@
+"""data.task = "translation": sentence pairs, a sentencepiece tokenizer, a Seq2Seq model.
+
+Training loss: label-smoothed token NLL averaged per target token (R-Drop optional).
+Validation: loss without smoothing and, when BLEU picks the best checkpoint, greedy cased
+sacreBLEU and chrF. `xformer eval` decodes with the recipe's beam and scores with sacreBLEU
+(cased and lowercased) and chrF, writing RUN/eval/<name>.<checkpoint>.beam<N>.lenpen<L>.{hyp,json};
+`xformer translate` decodes raw lines.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import numpy as np
+import torch
+
+from xformer.config import Recipe, TrainConfig
+from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
+from xformer.data.corpus import encode_split, load_split
+from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
+from xformer.decode import translate_ids
+from xformer.errors import DataError, RunError
+from xformer.events import Event
+from xformer.files import atomic_write_text
+from xformer.losses import rdrop_kl, sequence_loss
+from xformer.metrics import translation_scores
+from xformer.results import TranslationEval
+from xformer.rundir import eval_name, tokenizer_dir
+from xformer.runtime import Runtime
+from xformer.tasks.base import (
+    CorpusData,
+    EvalRequest,
+    SiteTokens,
+    Subject,
+    Task,
+    load_training_splits,
+    mark_pad,
+    site_space,
+)
+
+SETTINGS = "settings.json"  # the [data] values a tokenizer was trained with, next to it
+
+
+@dataclass
+class TranslationData(CorpusData):
+    """[data] of a translation task: which fields of the corpus are the two languages, and the
+    shared or separate sentencepiece vocabularies."""
+
+    METRICS: ClassVar[tuple[str, ...]] = ("bleu",)
+    ARCHS: ClassVar[tuple[str, ...]] = ("seq2seq",)
+
+    source_lang: str = "de"
+    target_lang: str = "en"
+    joint_vocab: bool = True
+    # Subword regularization (Kudo 2018, arXiv:1804.10959): with sampling_alpha > 0 each training
+    # epoch re-segments the training pairs, sampled from the unigram lattice's probabilities raised
+    # to alpha, over the sampling_nbest best segmentations (-1 = all), reproducibly from
+    # (train.seed, epoch) in any process (xformer.data.sampling). Unigram tokenizers only.
+    # Validation, eval and translate always use the single best segmentation.
+    sampling_alpha: float = 0.0
+    sampling_nbest: int = -1
+
+    def problems(self) -> list[str]:
+        out = super().problems()
+        if self.source_lang == self.target_lang:
+            out.append("data.target_lang: expected a language other than data.source_lang, "
+                       f"found {self.target_lang!r} for both")
+        if self.tokenizer not in ("unigram", "bpe"):
+            out.append(f"data.tokenizer: translation uses sentencepiece 'unigram' or 'bpe', found {self.tokenizer!r}")
+        if not 0 <= self.sampling_alpha <= 1:
+            out.append(f"data.sampling_alpha: expected a number in [0, 1] (0: no sampling), "
+                       f"found {self.sampling_alpha}")
+        if self.sampling_alpha > 0 and self.tokenizer == "bpe":
+            out.append("data.sampling_alpha: subword sampling needs data.tokenizer = 'unigram', found 'bpe' "
+                       "(sentencepiece's BPE-dropout draws differ from process to process, so runs would not "
+                       "repeat); use a unigram tokenizer or sampling_alpha = 0")
+        if self.sampling_nbest != -1 and self.sampling_nbest < 2:
+            out.append(f"data.sampling_nbest: expected -1 (all segmentations) or at least 2, "
+                       f"found {self.sampling_nbest}")
+        return out
+
+    def recipe_problems(self, recipe: Recipe) -> list[str]:
+        out = super().recipe_problems(recipe)
+        if recipe.model.arch == "seq2seq" and recipe.model.tie_embeddings == "all" and not self.joint_vocab:
+            out.append("model.tie_embeddings: 'all' shares one embedding between both languages and "
+                       "needs data.joint_vocab = true, found false")
+        return out
+
+
+def translation_loss(model, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, rt: Runtime,
+                     train: TrainConfig, index_rows: bool) -> torch.Tensor:
+    """Summed label-smoothed NLL of tgt_out; `index_rows`: project only the real target
+    positions (the model returns (N, V)) instead of masking pad in (B, T, V). With
+    train.rdrop_alpha > 0 the batch runs twice (two dropout masks) and the loss is the mean of
+    the two NLLs plus alpha / 2 times rdrop_kl: fairseq's R-Drop criterion divided by 2 (the
+    same optimum at the usual loss scale)."""
+    alpha = train.rdrop_alpha
+    if alpha > 0:
+        src, tgt_in, tgt_out = (torch.cat([x, x]) for x in (src, tgt_in, tgt_out))
+    keep = tgt_out.ne(PAD_ID) if index_rows else None
+    with rt.autocast():
+        logits = model(src, tgt_in, keep=keep)
+    target = tgt_out[keep] if keep is not None else tgt_out
+    loss = sequence_loss(logits, target, PAD_ID, train.label_smoothing, fused=train.fast_paths)
+    if alpha == 0:
+        return loss
+    # indexed rows are copy 1's real positions, then copy 2's, in the same order
+    real = None if index_rows else tgt_out.chunk(2)[0].ne(PAD_ID)
+    return loss / 2 + alpha / 2 * rdrop_kl(logits, real)
+
+
+class TranslationTask(Task):
+    Data = TranslationData
+    tokenizer: Tokenizer | None = None
+
+    # ------------------------------------------------------------ training
+    def load(self, emit: Event) -> None:
+        d = self.recipe.data
+        self.train_raw, self.valid_raw = load_training_splits(d, [d.source_lang, d.target_lang], emit)
+
+    def prepare(self, run_dir: Path, emit: Event) -> None:
+        recipe, d = self.recipe, self.recipe.data
+        if not tokenizer_dir(run_dir).is_dir():
+            emit("setup", {"message": f"training a {d.vocab_size}-piece {d.tokenizer} sentencepiece model"})
+        self.tokenizer = ensure_tokenizer(recipe, run_dir, self.train_raw)
+        emit("setup", {"message": "tokenizing"})
+        self.valid_data = encode_split(self.valid_raw, self.tokenizer, d.source_lang, d.target_lang)
+        if d.sampling_alpha > 0:  # the training pairs are encoded afresh every epoch
+            emit("setup", {"message": f"sampling segmentations every epoch (alpha {d.sampling_alpha}, "
+                                      f"nbest {d.sampling_nbest})"})
+            self.train_batches = SampledBatchIterator(self.train_raw, self.tokenizer, d.source_lang, d.target_lang,
+                                                      d.max_tokens, seed=recipe.train.seed, alpha=d.sampling_alpha,
+                                                      nbest=d.sampling_nbest, max_len=d.max_len)
+        else:
+            train = encode_split(self.train_raw, self.tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
+            self.train_batches = BatchIterator(train, max_tokens=d.max_tokens, seed=recipe.train.seed)
+        if len(self.train_batches) == 0:
+            raise DataError(f"{d.dataset}: no training pair has 1 to data.max_len = {d.max_len} pieces on both sides")
+        self.valid_batches = BatchIterator(self.valid_data, max_tokens=d.max_tokens, seed=recipe.train.seed,
+                                           shuffle=False)
+        self.refs = list(self.valid_raw[d.target_lang])
+
+    def model_sizes(self) -> dict:
+        """The vocabularies of the tokenizer actually trained (sentencepiece may give fewer
+        pieces than data.vocab_size on a small corpus); data.vocab_size before there is one."""
+        if self.tokenizer is None:
+            size = self.recipe.data.vocab_size
+            return {"vocab_size": size, "tgt_vocab_size": size, "pad_id": PAD_ID}
+        return {"vocab_size": self.tokenizer.vocab_size("source"),
+                "tgt_vocab_size": self.tokenizer.vocab_size("target"), "pad_id": PAD_ID}
+
+    def units(self, batch: dict) -> int:
+        return batch["n_tgt_tokens"]
+
+    def tokens(self, batch: dict) -> int:
+        return batch["n_tgt_tokens"]
+
+    def loss(self, model, batch: dict, rt: Runtime) -> torch.Tensor:
+        """Summed label-smoothed NLL over the batch's target tokens (translation_loss)."""
+        src, tgt_in, tgt_out = (batch[k].to(rt.device, non_blocking=True) for k in ("src", "tgt_in", "tgt_out"))
+        # On the CPU, project only real target positions (the largest matmul); on CUDA the
+        # boolean index would cost a host sync per batch, so pad is masked instead.
+        return translation_loss(model, src, tgt_in, tgt_out, rt, self.recipe.train, index_rows=rt.device.type == "cpu")
+
+    def validate(self, model, rt: Runtime) -> dict:
+        """Validation loss (token NLL, no label smoothing) and, when BLEU picks the best
+        checkpoint, cased sacreBLEU and chrF of greedy translations of the validation sources."""
+        recipe = self.recipe
+        model.eval()
+        total, tokens = 0.0, 0
+        limit = recipe.model.max_positions  # a longer validation pair is scored on its first positions
+        with torch.inference_mode(), rt.autocast():
+            for batch in self.valid_batches.iter_epoch(0):
+                src, tgt_in, tgt_out = (batch[k][:, :limit].to(rt.device) for k in ("src", "tgt_in", "tgt_out"))
+                keep = tgt_out.ne(PAD_ID)
+                total += sequence_loss(model(src, tgt_in, keep=keep), tgt_out[keep], PAD_ID).item()
+                tokens += int(keep.sum())
+        scores = {"loss": total / tokens, "ppl": math.exp(min(total / tokens, 50))}
+        if recipe.best_metric == "bleu":
+            started = time.perf_counter()
+            ids = translate_ids(model, list(self.valid_data["src_ids"]), recipe, rt, beam=1)
+            bleu = translation_scores(self.tokenizer.decode(ids, "target"), self.refs)
+            scores.update(bleu=bleu["bleu"], chrf=bleu["chrf"], decode_seconds=time.perf_counter() - started)
+        return scores
+
+    # ------------------------------------------------------------ a trained run
+    def load_vocabulary(self, run_dir: Path) -> None:
+        d = self.recipe.data
+        self.tokenizer = Tokenizer.load(tokenizer_dir(run_dir), d.source_lang, d.target_lang)
+
+    def evaluate(self, run_dir: Path, request: EvalRequest) -> TranslationEval:
+        """Translate a split (default: the recipe's test split) or request.data and score it."""
+        recipe, d = self.recipe, self.recipe.data
+        checkpoint = request.checkpoint or recipe.eval.checkpoint
+        model, rt = self.open_run(run_dir, checkpoint, request.device)
+        spec = request.data if request.data is not None else d.dataset
+        split = request.split or d.test_split
+        config = d.dataset_config or None if request.data is None else None  # a Hub configuration names the corpus
+        raw = load_split(spec, split, [d.source_lang, d.target_lang], config, complete=True)
+        sources = self.tokenizer.encode(list(raw[d.source_lang]), "source")
+        beam = recipe.eval.beam if request.beam is None else request.beam
+        lenpen = recipe.eval.lenpen if request.lenpen is None else request.lenpen
+        done = 0
+
+        def tick(n):
+            nonlocal done
+            done += n
+            if request.on_progress:
+                request.on_progress(done, len(sources))
+
+        started = time.perf_counter()
+        ids = translate_ids(model, sources, recipe, rt, beam=beam, lenpen=lenpen, on_batch=tick)
+        hyps = self.tokenizer.decode(ids, "target")
+        seconds = time.perf_counter() - started
+        scores = translation_scores(hyps, list(raw[d.target_lang]))
+        name = eval_name(split, request.data, [raw[d.source_lang], raw[d.target_lang]])
+        out_dir = Path(run_dir) / "eval"
+        stem = f"{name}.{checkpoint}.beam{beam}.lenpen{lenpen:g}"
+        result = TranslationEval(
+            **scores, data=spec, split=split if request.data is None else None, checkpoint=checkpoint, beam=beam,
+            lenpen=lenpen, decode_seconds=seconds, sentences_per_s=len(hyps) / max(seconds, 1e-9),
+            hypotheses=str(out_dir / f"{stem}.hyp"))
+        atomic_write_text(out_dir / f"{stem}.hyp", "".join(h + "\n" for h in hyps))
+        atomic_write_text(out_dir / f"{stem}.json", result.to_json())
+        if request.data is None and split == d.test_split:  # RUN/eval.json: the recipe's own test split only
+            atomic_write_text(Path(run_dir) / "eval.json", result.to_json())
+        return result
+
+    def predict(self, run_dir: Path, lines: list[str], *, checkpoint: str | None = None, beam: int | None = None,
+                lenpen: float | None = None, device: str = "auto", on_warning=None) -> list[str]:
+        """Translate raw sentences; the recipe's [eval] settings by default. A blank line stays
+        blank (nothing is decoded for it); a line longer than the model's positions is
+        translated from its first model.max_positions - 1 pieces, and `on_warning` is told."""
+        recipe = self.recipe
+        model, rt = self.open_run(run_dir, checkpoint or recipe.eval.checkpoint, device)
+        sources = self.tokenizer.encode(lines, "source")
+        limit = recipe.model.max_positions - 1  # room for EOS
+        for number, ids in enumerate(sources, start=1):
+            if len(ids) > limit and on_warning:
+                on_warning(f"line {number}: {len(ids)} pieces, more than the model's {limit} positions; "
+                           f"translated its first {limit} pieces")
+        kept = [i for i, ids in enumerate(sources) if ids]
+        hyps = translate_ids(model, [sources[i] for i in kept], recipe, rt, beam=beam, lenpen=lenpen) if kept else []
+        out = [""] * len(lines)
+        for i, text in zip(kept, self.tokenizer.decode(hyps, "target"), strict=True):
+            out[i] = text
+        return out
+
+    def subject(self, run_dir: Path, *, split: str | None, data: str | None, n_examples: int,
+                checkpoint: str, device: str) -> TranslationSubject:
+        """The model in fp32 (statistics and gradients want full precision) and the first
+        n_examples pairs of `split` (default: the validation split) or of `data`."""
+        recipe, d = self.recipe, self.recipe.data
+        model, rt = self.open_run(run_dir, checkpoint, device, "fp32")
+        fields = [d.source_lang, d.target_lang]
+        config = d.dataset_config or None if data is None else None
+        raw = load_split(data if data is not None else d.dataset, split or d.valid_split, fields, config)
+        raw = raw.select(range(min(n_examples, len(raw))))
+        limit = recipe.model.max_positions - 1
+        sources = [s[:limit] for s in self.tokenizer.encode(list(raw[d.source_lang]), "source")]
+        targets = [t[:limit] for t in self.tokenizer.encode(list(raw[d.target_lang]), "target")]
+        train = load_split(d.dataset, d.train_split, fields, d.dataset_config or None)
+        frequency = {side: _counts(self.tokenizer.encode(list(train[lang]), side), self.tokenizer.vocab_size(side))
+                     for side, lang in (("source", d.source_lang), ("target", d.target_lang))}
+        subject = TranslationSubject(model, recipe, rt, self.tokenizer, sources, targets, list(raw[d.target_lang]),
+                                     frequency, task=self)
+        subject.run_dir = Path(run_dir)
+        return subject
+
+
+class TranslationSubject(Subject):
+    """inspect-heads' view of a translation run: encoder, decoder and cross-attention sites."""
+
+    KIND = "translation"
+    METRICS = ("loss", "bleu")
+    SPECIAL_IDS = frozenset({BOS_ID, EOS_ID})
+
+    def __init__(self, model, recipe, rt, tokenizer, sources, targets, references, frequency, task=None):
+        self.tokenizer, self.sources, self.targets, self.references = tokenizer, sources, targets, references
+        token_text = {side: tokenizer.vocabulary(side) for side in ("source", "target")}
+        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+        batches, size = [], max(1, 4096 // max(1, max(len(s) for s in sources) if sources else 1))
+        for start in range(0, len(order), size):
+            rows = order[start:start + size]
+            batches.append({**collate([(sources[i], targets[i]) for i in rows]), "rows": rows})
+        super().__init__(model, recipe, rt, batches, token_text, frequency, task)
+
+    def forward(self, batch: dict) -> torch.Tensor:
+        return self.model(batch["src"].to(self.rt.device), batch["tgt_in"].to(self.rt.device))
+
+    def loss_sum(self, batch: dict) -> tuple[torch.Tensor, int]:
+        tgt_out = batch["tgt_out"].to(self.rt.device)
+        logits = self.forward(batch)
+        return sequence_loss(logits, tgt_out, PAD_ID), int(tgt_out.ne(PAD_ID).sum())
+
+    def site_tokens(self, site: str, batch: dict) -> SiteTokens:
+        src, tgt = mark_pad(batch["src"], PAD_ID), mark_pad(batch["tgt_in"], PAD_ID)
+        space = site_space(site)
+        if space == "encoder":
+            return SiteTokens(src, src)
+        if space == "decoder":
+            return SiteTokens(tgt, tgt)
+        return SiteTokens(tgt, src)
+
+    def score(self, metric: str, examples=None) -> float:
+        if metric == "loss":
+            return self.mean_loss()
+        sources, references = examples if examples is not None else (self.sources, self.references)
+        beam = 1 if examples is None else None  # greedy for ranking, the recipe's beam on held-out data
+        hyps = self.tokenizer.decode(translate_ids(self.model, sources, self.recipe, self.rt, beam=beam), "target")
+        return translation_scores(hyps, references)["bleu"]
+
+    def held_out(self, split: str | None):
+        d = self.recipe.data
+        name = split or d.test_split
+        raw = load_split(d.dataset, name, [d.source_lang, d.target_lang], d.dataset_config or None)
+        return (self.tokenizer.encode(list(raw[d.source_lang]), "source"), list(raw[d.target_lang])), name
+
+
+# ---------------------------------------------------------------- the run's tokenizer
+
+
+def tokenizer_settings(recipe: Recipe) -> dict:
+    d = recipe.data
+    return {"dataset": d.dataset, "train_split": d.train_split, "source_lang": d.source_lang,
+            "target_lang": d.target_lang, "tokenizer": d.tokenizer, "vocab_size": d.vocab_size,
+            "joint_vocab": d.joint_vocab, "character_coverage": d.character_coverage,
+            "byte_fallback": d.byte_fallback, "seed": recipe.train.seed}
+
+
+def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> Tokenizer:
+    """The run's tokenizer, trained on the recipe's training split when the run has none yet.
+
+    An existing one must have been trained with the recipe's [data] values (settings.json);
+    a tokenizer put there by hand (no settings.json) is taken as it is."""
+    d = recipe.data
+    directory = tokenizer_dir(run_dir)
+    wanted = tokenizer_settings(recipe)
+    if directory.is_dir() and any(directory.glob("*.model")):
+        saved_path = directory / SETTINGS
+        if saved_path.is_file():
+            saved = json.loads(saved_path.read_text())
+            differ = [k for k in wanted if k not in ("dataset", "seed") and saved.get(k) != wanted[k]]
+            if differ:
+                found = ", ".join(f"{k} = {saved.get(k)!r}" for k in differ)
+                raise RunError(f"{directory}: trained with {found}; the recipe says "
+                               f"{', '.join(f'{k} = {wanted[k]!r}' for k in differ)} (retrain it with "
+                               "xformer tokenize --overwrite, or use another --out)")
+        return Tokenizer.load(directory, d.source_lang, d.target_lang)
+    if train_split is None:
+        train_split = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang], d.dataset_config or None)
+    tokenizer = train_tokenizer(
+        train_split, d.source_lang, d.target_lang, directory, model_type=d.tokenizer, vocab_size=d.vocab_size,
+        joint=d.joint_vocab, character_coverage=d.character_coverage, byte_fallback=d.byte_fallback,
+        seed=recipe.train.seed,
+    )
+    atomic_write_text(directory / SETTINGS, json.dumps(wanted, indent=2))
+    return tokenizer
+
+
+def _counts(ids: list[list[int]], size: int) -> np.ndarray:
+    flat = np.fromiter((t for seq in ids for t in seq), dtype=np.int64)
+    return np.bincount(flat, minlength=size)
