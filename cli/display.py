@@ -6,6 +6,8 @@ from rich.console import Console
 from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Column, Table
 
+from xformer_cli import common
+
 TOTAL = 1000  # the bar counts thousandths of the run (steps, epochs or minutes, whichever ends it first)
 
 
@@ -14,7 +16,7 @@ class TrainDisplay:
     ETA; a printed line per validation."""
 
     def __init__(self, console: Console | None = None):
-        self.console = console or Console(stderr=True)
+        self.console = console or common.console
         # Times come first and the bar is short, so a narrow (80-column) terminal cuts the
         # statistics at the end rather than the elapsed time and ETA.
         self.progress = Progress(

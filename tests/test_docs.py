@@ -8,6 +8,8 @@ itself.
 import re
 from pathlib import Path
 
+from xformer_cli.main import app
+
 ROOT = Path(__file__).resolve().parents[1]
 SCANNED = ["README.md", "docs", "recipes", "xformer", "cli", "benchmarks"]
 SUFFIXES = {".md", ".py", ".toml", ".sh", ".txt"}
@@ -16,7 +18,7 @@ FORBIDDEN = [
     re.compile("iss" + r"ue\s*#?\d+", re.IGNORECASE),  # a tracker number: say what it is about
     re.compile("the main " + "job", re.IGNORECASE),  # say what the command does
 ]
-COMMANDS = ["check", "tokenize", "train", "eval", "translate", "average", "longrange", "inspect-heads"]
+COMMANDS = [command.name for command in app.registered_commands]  # every command the CLI has
 
 
 def scanned_files() -> list[Path]:

@@ -18,9 +18,9 @@ def test_bf16_on_the_cpu_autocasts_matmuls():
 
 
 @pytest.mark.parametrize("device,precision,message", [
-    ("cpu", "fp16", "--precision fp16: needs a CUDA device"),
-    ("tpu", "auto", "--device tpu: expected auto, cpu, cuda or cuda:N"),
-    ("cpu", "fp8", "--precision fp8: expected auto, fp32, bf16 or fp16"),
+    ("cpu", "fp16", "precision fp16: needs a CUDA device"),
+    ("tpu", "auto", "device tpu: expected auto, cpu, cuda or cuda:N"),
+    ("cpu", "fp8", "precision fp8: expected auto, fp32, bf16 or fp16"),
 ])
 def test_bad_device_or_precision_is_one_line(device, precision, message):
     with pytest.raises(XformerError, match=message):
@@ -29,7 +29,7 @@ def test_bad_device_or_precision_is_one_line(device, precision, message):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
 def test_cuda_requested_without_cuda():
-    with pytest.raises(XformerError, match="--device cuda: CUDA is not available here"):
+    with pytest.raises(XformerError, match="device cuda: CUDA is not available here"):
         resolve_runtime("cuda", "auto")
 
 

@@ -294,7 +294,7 @@ def test_average_command_reproduces_the_trainers_average_and_never_overwrites(tr
     again = runner.invoke(app, ["average", str(out), "--last", "2", "--name", "avg2"])
     assert again.exit_code == 2 and "exists" in again.output
     more = runner.invoke(app, ["average", str(out), "--last", "3"])
-    assert more.exit_code == 2 and "2 step checkpoints kept, --last 3" in more.output
+    assert more.exit_code == 2 and "2 step checkpoints kept, last = 3" in more.output
     scored = runner.invoke(app, ["eval", str(out), "--checkpoint", "avg2", "--split", "validation", "--json"])
     assert scored.exit_code == 0, scored.output
     assert json.loads(scored.output)["checkpoint"] == "avg2"

@@ -155,12 +155,12 @@ def average_run(run_dir: str | Path, last: int, name: str | None = None) -> Aver
     if last < 1:
         raise RunError(f"last = {last}: expected at least 1 checkpoint")
     if len(steps) < last:
-        raise RunError(f"{folder}: {len(steps)} step checkpoints kept, --last {last} asks for more "
+        raise RunError(f"{folder}: {len(steps)} step checkpoints kept, last = {last} asks for more "
                        f"(train.average_last sets how many a run keeps)")
     name = name or f"averaged_last{last}"
     target = folder / f"{name}.safetensors"
     if target.exists():
-        raise RunError(f"{target}: exists; choose another --name")
+        raise RunError(f"{target}: exists; choose another name")
     chosen = steps[-last:]
     _, meta = read_checkpoint(chosen[-1])
     kept = {k: v for k, v in meta.items() if k in ("recipe", "step", "tokenizer")}

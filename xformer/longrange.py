@@ -35,7 +35,7 @@ from xformer.checkpoint import read_checkpoint_meta
 from xformer.config import Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.evaluate import evaluate_run
-from xformer.events import Event
+from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.model.lstm import match_hidden
 from xformer.recipe_io import load_recipe, recipe_from_dict
@@ -186,7 +186,7 @@ def parameters(recipe: Recipe) -> int:
 def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_event: Event | None = None) -> SweepResult:
     """Train and score every row not done yet, then write the comparison files; returns
     the comparison (what comparison.json holds)."""
-    emit = on_event or (lambda kind, payload: None)
+    emit = on_event or ignore
     out_dir = Path(out_dir)
     (out_dir / "rows").mkdir(parents=True, exist_ok=True)
     _pin_sweep(sweep, out_dir)

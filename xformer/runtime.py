@@ -126,20 +126,20 @@ def bf16_matmul_ratio(n: int = 256, repeats: int = 5) -> float:
 
 
 def resolve_runtime(device: str = "auto", precision: str = "auto", *, training: bool = True) -> Runtime:
-    """--device auto|cpu|cuda[:N] and --precision auto|fp32|bf16|fp16 -> Runtime. `training`
+    """device auto|cpu|cuda[:N] and precision auto|fp32|bf16|fp16 -> Runtime. `training`
     False (evaluation) keeps "auto" at fp32 on the CPU."""
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device.startswith("cuda") and not torch.cuda.is_available():
-        raise XformerError(f"--device {device}: CUDA is not available here (torch {torch.__version__}); "
-                           "use --device cpu or auto")
+        raise XformerError(f"device {device}: CUDA is not available here (torch {torch.__version__}); "
+                           "use device cpu or auto")
     if device != "cpu" and not device.startswith("cuda"):
-        raise XformerError(f"--device {device}: expected auto, cpu, cuda or cuda:N")
+        raise XformerError(f"device {device}: expected auto, cpu, cuda or cuda:N")
     dev = torch.device(device)
     if precision != "auto" and precision not in DTYPES:
-        raise XformerError(f"--precision {precision}: expected auto, fp32, bf16 or fp16")
+        raise XformerError(f"precision {precision}: expected auto, fp32, bf16 or fp16")
     if precision == "fp16" and dev.type == "cpu":
-        raise XformerError("--precision fp16: needs a CUDA device; on the CPU use fp32 or bf16")
+        raise XformerError("precision fp16: needs a CUDA device; on the CPU use fp32 or bf16")
     reason, warning = "asked for", None
     if precision == "auto" and dev.type == "cuda":
         supported = torch.cuda.is_bf16_supported()

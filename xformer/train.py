@@ -38,7 +38,7 @@ from xformer.checkpoint import (
 )
 from xformer.config import Recipe
 from xformer.errors import RunError
-from xformer.events import Event
+from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.instrument import PeakMemory, allocator_peak
 from xformer.model.dropout import use_fast_dropout
@@ -133,7 +133,7 @@ def run(
     run directory that `overwrite` would clear. `measure_memory`: on the CPU, sample the
     resident set in a thread (instrument.PeakMemory) for TrainResult.peak_memory_mb; without
     it the CPU figure is 0 and CUDA's comes from the allocator's own peak counter."""
-    emit = on_event or (lambda kind, payload: None)
+    emit = on_event or ignore
     started = time.perf_counter()
     out_dir = Path(out_dir)
     cfg = recipe.train

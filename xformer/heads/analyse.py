@@ -23,7 +23,7 @@ import numpy as np
 
 from xformer.checkpoint import run_checkpoint, save_checkpoint
 from xformer.errors import RunError
-from xformer.events import Event
+from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.heads import importance as imp
 from xformer.heads import stats
@@ -102,7 +102,7 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
     split, data, max_drop, save_pruned = config.split, config.data, config.max_drop, config.save_pruned
     prune = config.prune or save_pruned is not None
     checkpoint = config.checkpoint
-    emit = on_event or (lambda kind, info: None)
+    emit = on_event or ignore
     run_dir = Path(run_dir)
     out = Path(config.out) if config.out is not None else run_dir / "heads"
     if save_pruned is not None and Path(save_pruned).exists() and any(Path(save_pruned).iterdir()):
@@ -180,7 +180,7 @@ def _pruning(subject: Subject, sites: dict, ranking: dict, fill: dict | None, ru
     """Curves of the held-out metric as heads go, least important first by `ranking` (ablation
     or gradient importance, once; or greedy re-ranking on the analysis split): over the whole
     model, and within each space (encoder self, decoder self, cross)."""
-    metric = "bleu" if subject.kind == "translation" else "accuracy"
+    metric = subject.metric_names[-1]  # the task's quality metric (BLEU, accuracy), not the loss
     timings: list[float] = []
 
     def measure():
