@@ -58,13 +58,13 @@ for checkpoint in candidates:
     for lenpen in lenpens:
         r = evaluate_run(run, split="validation", checkpoint=checkpoint, lenpen=lenpen, device=device)
         print(json.dumps({"run": run, "split": "validation", "checkpoint": checkpoint, "lenpen": lenpen,
-                          "bleu": r["bleu"], "bleu_lc": r["bleu_lc"]}))
-        if best is None or r["bleu"] > best[0]:
-            best = (r["bleu"], checkpoint, lenpen)
+                          "bleu": r.bleu, "bleu_lc": r.bleu_lc}))
+        if best is None or r.bleu > best[0]:
+            best = (r.bleu, checkpoint, lenpen)
 if valid_only:
     sys.exit(0)
 _, checkpoint, lenpen = best
 r = evaluate_run(run, split="test", checkpoint=checkpoint, lenpen=lenpen, device=device)
-print(json.dumps({"run": run, "split": "test", "checkpoint": checkpoint, "lenpen": lenpen, "bleu": r["bleu"],
-                  "bleu_lc": r["bleu_lc"], "chrf": r["chrf"], "signature": r["signature"]}))
+print(json.dumps({"run": run, "split": "test", "checkpoint": checkpoint, "lenpen": lenpen, "bleu": r.bleu,
+                  "bleu_lc": r.bleu_lc, "chrf": r.chrf, "signature": r.signature}))
 PY

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from xformer.checkpoint import average_run
-from xformer_cli.common import JsonOption, RunArgument, user_errors
+from xformer_cli.common import JsonOption, RunArgument, flags_named, user_errors
 
 
 @user_errors
@@ -20,7 +20,8 @@ def average(
 ) -> None:
     """Average the weights of the last N step checkpoints a run kept (train.average_last of
     them), as fairseq's average_checkpoints.py does, into RUN/checkpoints/NAME.safetensors."""
-    result = average_run(run, last, name)
+    with flags_named("last", "name"):
+        result = average_run(run, last, name)
     if as_json:
         typer.echo(result.to_json(indent=None))
         return

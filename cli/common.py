@@ -3,6 +3,7 @@ one-line messages."""
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import typing
@@ -51,10 +52,28 @@ CheckpointOption = Annotated[str | None, typer.Option(
                          "eval.checkpoint].")]
 
 
-def as_flag(problem: str) -> str:
-    """'prune_step: expected ...' (a core field) -> '--prune-step: expected ...' (the flag typed)."""
-    name, sep, rest = problem.partition(":")
-    return f"--{name.replace('_', '-')}{sep}{rest}" if sep and name.isidentifier() else problem
+def as_flag(problem: str, names: Iterable[str] | None = None) -> str:
+    """'prune_step: expected ...' (a core argument) -> '--prune-step: expected ...' (the flag
+    typed). With `names`, only those arguments, also as 'name X: ...' or 'name = X ...'."""
+    if names is None:
+        name, sep, rest = problem.partition(":")
+        return f"--{name.replace('_', '-')}{sep}{rest}" if sep and name.isidentifier() else problem
+    for name in names:
+        for sep in (":", " = ", " "):
+            if problem.startswith(name + sep):
+                rest = problem[len(name) + len(sep):]
+                return f"--{name.replace('_', '-')}{' ' if sep == ' = ' else sep}{rest}"
+    return problem
+
+
+@contextlib.contextmanager
+def flags_named(*names: str):
+    """Core errors raised inside name these arguments by the command's flags."""
+    try:
+        yield
+    except XformerError as exc:
+        exc.problems = [as_flag(line, names) for line in exc.problems]
+        raise
 
 
 def debugging() -> bool:

@@ -13,7 +13,16 @@ from rich.table import Table
 from xformer.errors import DataError
 from xformer.evaluate import evaluate_run, translate_lines
 from xformer.results import ClassificationEval, TranslationEval
-from xformer_cli.common import CheckpointOption, DeviceOption, JsonOption, RunArgument, console, stdout, user_errors
+from xformer_cli.common import (
+    CheckpointOption,
+    DeviceOption,
+    JsonOption,
+    RunArgument,
+    console,
+    flags_named,
+    stdout,
+    user_errors,
+)
 from xformer_cli.display import score_table
 
 BeamOption = Annotated[int | None, typer.Option("--beam", min=1, help="Beam size; 1 is greedy [default: eval.beam].")]
@@ -35,7 +44,7 @@ def evaluate(
 ) -> None:
     """Score a run on a test set: translation with beam search, sacreBLEU (cased and lowercased)
     and chrF; classification with accuracy and a confusion matrix."""
-    with Progress(console=console, transient=True) as progress:
+    with flags_named("split", "data", "device"), Progress(console=console, transient=True) as progress:
         bar = progress.add_task("decoding", total=None)
         result = evaluate_run(run, split=split, data=data, beam=beam, lenpen=lenpen, checkpoint=checkpoint,
                               device=device,
@@ -92,6 +101,8 @@ def translate(
         raise DataError(f"{input or 'stdin'}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     lines = text.splitlines()
     warn = lambda message: typer.echo(f"warning: {message}", err=True)  # noqa: E731
-    for line in translate_lines(run, lines, checkpoint=checkpoint, beam=beam, lenpen=lenpen, device=device,
-                                on_warning=warn):
+    with flags_named("device"):
+        translations = translate_lines(run, lines, checkpoint=checkpoint, beam=beam, lenpen=lenpen, device=device,
+                                       on_warning=warn)
+    for line in translations:
         typer.echo(line)

@@ -21,6 +21,7 @@ from xformer_cli.common import (
     PruneOrder,
     as_flag,
     console,
+    flags_named,
     stdout,
     user_errors,
 )
@@ -84,7 +85,7 @@ def inspect_heads_command(
         elif kind == "advance":
             progress.update(state["task"], completed=payload["done"])
 
-    with progress:
+    with flags_named("importance", "save_pruned", "split", "data", "device"), progress:
         report = inspect_heads(run, config, on_event=on_event)
     if as_json:
         typer.echo(report.to_json())

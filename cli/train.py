@@ -12,7 +12,7 @@ import typer
 from xformer.errors import RecipeError, RunError
 from xformer.recipe_io import load_recipe
 from xformer.train import run
-from xformer_cli.common import DeviceOption, JsonOption, Precision, SetOption, stdout, user_errors
+from xformer_cli.common import DeviceOption, JsonOption, Precision, SetOption, flags_named, stdout, user_errors
 from xformer_cli.display import TrainDisplay, score_table
 
 PRECISION_HELP = ("Sets train.precision. auto is bf16 on CUDA and on a CPU with native bf16 (AMX, AVX512-BF16), "
@@ -48,7 +48,7 @@ def train(
     except RecipeError as exc:  # a flag's bad value is named by the flag the user typed
         raise RecipeError([next((flag + line[len(s):] for s, flag in flags.items() if line.startswith(s)), line)
                            for line in exc.problems]) from None
-    with TrainDisplay() as display:
+    with flags_named("device"), TrainDisplay() as display:
         result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
                      on_event=display, recipe_path=recipe)
     best = result.best or {}
@@ -57,7 +57,8 @@ def train(
                "best step": best.get("step"),
                **{f"best valid {key}": best[key] for key in ("bleu", "accuracy") if key in best},
                "best valid loss": best.get("loss"), "loop overhead %": 100 * result.loop_overhead,
-               "peak memory MB": result.peak_memory_mb, "device": result.device, "precision": result.precision}
+               "peak memory MB": result.peak_memory_mb if result.device.startswith("cuda") else "not measured",
+               "device": result.device, "precision": result.precision}
     if as_json:
         typer.echo(json.dumps(summary))
     else:

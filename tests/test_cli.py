@@ -189,3 +189,15 @@ def test_the_enums_are_the_core_choices():
     assert [p.value for p in common.Importance] == list(IMPORTANCE_METRICS)
     assert [p.value for p in common.Ablation] == list(ABLATIONS)
     assert [p.value for p in common.PruneOrder] == list(PRUNE_ORDERS)
+
+
+def test_core_argument_names_become_the_flags_typed():
+    from xformer_cli.common import as_flag
+
+    assert as_flag("prune_step: expected a fraction") == "--prune-step: expected a fraction"
+    assert as_flag("runs/x: no checkpoints") == "runs/x: no checkpoints"  # a path is not an argument
+    names = ("split", "last", "save_pruned")
+    assert as_flag("split nope: a generated task has ...", names) == "--split nope: a generated task has ..."
+    assert as_flag("last = 0: expected at least 1", names) == "--last 0: expected at least 1"
+    assert as_flag("save_pruned: out exists", names) == "--save-pruned: out exists"
+    assert as_flag("splits are ...", names) == "splits are ..."

@@ -11,7 +11,8 @@ import torch
 from typer.testing import CliRunner
 
 from xformer.checkpoint import read_checkpoint
-from xformer.longrange import throughput_at_length
+from xformer.errors import RunError
+from xformer.longrange import load_sweep, throughput_at_length
 from xformer.recipe_io import load_recipe
 from xformer.train import run
 from xformer_cli.main import app
@@ -48,7 +49,11 @@ def test_train_then_eval_a_recall_classifier(tmp_path):
     assert report["accuracy"] == pytest.approx(100 * np.trace(confusion) / 60)
     predictions = (out / "eval" / "valid.best.pred").read_text().split()
     assert len(predictions) == 60 and set(predictions) <= set(report["labels"])
-    assert invoke("eval", out, "--data", tmp_path).exit_code == 2  # a generated task has no files to score
+    scored = invoke("eval", out, "--data", tmp_path)  # a generated task has no files to score
+    assert scored.exit_code == 2
+    assert scored.output.strip().startswith("--data: a recall run scores its own generated splits")
+    scored = invoke("eval", out, "--split", "nope")
+    assert scored.exit_code == 2 and scored.output.strip().startswith("--split nope: a generated task has the splits")
     assert runner.invoke(app, ["translate", str(out)], input="x\n").exit_code == 2
     assert runner.invoke(app, ["tokenize", str(RECALL), "--out", str(tmp_path / "t")]).exit_code == 2
 
@@ -285,3 +290,22 @@ def test_a_sweep_length_the_task_cannot_have_is_refused_before_training(tmp_path
     result = runner.invoke(app, ["longrange", str(sweep), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "at length 4" in result.output and "expected at least 5" in result.output
     assert not (tmp_path / "out").exists()
+
+
+def test_a_sweep_pinned_before_a_field_existed_still_resumes(tmp_path):
+    """sweep.json of an older version lacks fields added since (at their defaults): the same sweep."""
+    from xformer.longrange import _pin_sweep
+
+    sweep = load_sweep(write_sweep(tmp_path, [24], [1], 3))
+    out = tmp_path / "out"
+    out.mkdir()
+    _pin_sweep(sweep, out)
+    pinned = json.loads((out / "sweep.json").read_text())
+    for recipe in pinned["recipes"].values():
+        del recipe["train"]["fast_paths"]  # as an older xformer wrote it
+    (out / "sweep.json").write_text(json.dumps(pinned))
+    _pin_sweep(sweep, out)  # no error
+    pinned["recipes"]["lstm"]["train"]["lr"] = 0.5
+    (out / "sweep.json").write_text(json.dumps(pinned))
+    with pytest.raises(RunError, match="started with other recipes"):
+        _pin_sweep(sweep, out)

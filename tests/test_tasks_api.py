@@ -72,6 +72,9 @@ class ParityTask(ClassificationTask):
     def examples(self, split, data):
         return self.split(split or "test"), split or "test"
 
+    def train_split(self) -> str:
+        return "train"
+
     def valid_split(self) -> str:
         return "valid"
 

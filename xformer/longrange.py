@@ -265,6 +265,10 @@ def _pin_sweep(sweep: Sweep, out_dir: Path) -> None:
     path = out_dir / "sweep.json"
     if path.is_file():
         old = json.loads(path.read_text())
+        try:  # through the loader, so a field added since (at its default) is no difference
+            old["recipes"] = {m: recipe_from_dict(r).to_dict() for m, r in old.get("recipes", {}).items()}
+        except RecipeError:
+            pass  # not loadable now: certainly not the same recipes
         if old != json.loads(json.dumps(pinned)):
             raise RunError(f"{path}: this sweep directory was started with other recipes or budget; "
                            "use another --out (rows of different settings cannot be compared)")

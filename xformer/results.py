@@ -7,13 +7,16 @@ files (RUN/eval.json, RUN/eval/*.json, heads.json, ...) hold.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 
 class Result:
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        """The fields as JSON holds them; an optional field (default None) that is None is left
+        out, as the files have always left out what a run did not compute."""
+        optional = {f.name for f in fields(self) if f.default is None}
+        return {k: v for k, v in asdict(self).items() if not (v is None and k in optional)}
 
     def to_json(self, indent: int | None = 2) -> str:
         return json.dumps(self.to_dict(), indent=indent)

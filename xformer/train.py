@@ -108,8 +108,9 @@ def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: b
         check_tokenizer(out_dir, last, read_checkpoint_meta(last))
         old = load_recipe(saved)
         for section in ("model", "data"):
-            if getattr(old, section) != getattr(recipe, section):
-                diff = [k for k, v in asdict(getattr(recipe, section)).items() if asdict(getattr(old, section))[k] != v]
+            before, now = asdict(getattr(old, section)), asdict(getattr(recipe, section))
+            if before != now:  # another task has other [data] fields: compare over both
+                diff = [k for k in dict.fromkeys([*now, *before]) if before.get(k) != now.get(k)]
                 raise RunError(f"{saved}: the run was started with different [{section}] values "
                                f"({', '.join(diff)}); resume with the same recipe")
         for key in ("seed", "accumulate_steps"):  # they fix the batch plan the resume point refers to

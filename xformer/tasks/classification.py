@@ -136,6 +136,9 @@ class ClassificationTask(Task):
         raw = load_split(spec, split, [d.text_field, d.label_field], config, complete=True, numeric=(d.label_field,))
         return self.encode(raw), eval_name(split, data, [raw[d.text_field], raw[d.label_field]])
 
+    def train_split(self) -> str:
+        return self.recipe.data.train_split
+
     def valid_split(self) -> str:
         return self.recipe.data.valid_split
 
@@ -169,7 +172,7 @@ class ClassificationTask(Task):
             raise RunError(f"{run_dir}: an LSTM run has no attention heads to inspect")
         model, rt = self.open_run(run_dir, checkpoint, device, "fp32")
         examples, _ = self.examples(split or self.valid_split(), data)
-        train, _ = self.examples("train", None) if data is None else (examples, None)
+        train, _ = self.examples(self.train_split(), None) if data is None else (examples, None)
         frequency = {"source": np.bincount(train.ids, minlength=self.encoder.vocab_size)}
         n = min(n_examples, len(examples))
         head = Examples.from_pairs([(examples.sequence(i), int(examples.labels[i])) for i in range(n)])

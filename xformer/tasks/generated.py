@@ -153,6 +153,9 @@ class GeneratedTask(ClassificationTask):
             raise RunError(f"split {split}: a generated task has the splits {', '.join(SPLITS)}")
         return self.splits()[split], split
 
+    def train_split(self) -> str:
+        return "train"
+
     def valid_split(self) -> str:
         return "valid"
 
