@@ -88,7 +88,7 @@ def _attention(w, name, cfg, x, source, allowed, rotate):
 
 def _ffn(w, name, cfg, x):
     h = _linear(w, f"{name}.fc1", x)
-    if cfg.activation == "gelu":
+    if cfg.ffn == "gelu":
         h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
     else:
         h = h.clamp(min=0)
@@ -180,3 +180,86 @@ def naive_classifier(cfg, weights, tokens, pad_id=0):
         else:
             pooled.append(row[real].mean(0))
     return _linear(w, "head", torch.stack(pooled))
+
+
+# ---------------------------------------------------------------- attention variants, by definition
+
+
+def naive_allowed(pattern, t, s, offset=0, causal=False, window=0, global_tokens=0, stride=0):
+    """(T, S) bool: may query i (position offset + i) see key j (position j)? One pair at a time,
+    from each paper's wording."""
+    out = torch.zeros(t, s, dtype=torch.bool)
+    for i in range(t):
+        qp = offset + i
+        for j in range(s):
+            d = abs(qp - j)
+            if pattern == "full" or pattern == "topk":
+                ok = True
+            elif pattern == "sliding_window":
+                ok = d < window
+            elif pattern == "local_global":
+                ok = d < window or j < global_tokens or qp < global_tokens
+            elif pattern == "strided":
+                ok = d < stride or d % stride == 0
+            else:
+                raise ValueError(pattern)
+            if causal and j > qp:
+                ok = False
+            out[i, j] = ok or j == qp
+    return out
+
+
+def naive_alibi_slopes(n):
+    """Press et al. 2021: for a power of two n, start = 2^(-8/n) and slope_i = start^i; else the
+    power of two below, then the odd-numbered slopes of twice that."""
+    def geometric(m):
+        return [2 ** (-8 * (i + 1) / m) for i in range(m)]
+
+    c = 1
+    while c * 2 <= n:
+        c *= 2
+    if c == n:
+        return geometric(n)
+    return geometric(c) + geometric(2 * c)[0::2][: n - c]
+
+
+def naive_t5_bucket(relative, bidirectional, num_buckets=32, max_distance=128):
+    """T5's _relative_position_bucket for one integer k - q, as the paper's code describes it."""
+    bucket = 0
+    if bidirectional:
+        num_buckets //= 2
+        if relative > 0:
+            bucket += num_buckets
+        n = abs(relative)
+    else:
+        n = max(-relative, 0)
+    exact = num_buckets // 2
+    if n < exact:
+        return bucket + n
+    far = exact + int(math.log(n / exact) / math.log(max_distance / exact) * (num_buckets - exact))
+    return bucket + min(far, num_buckets - 1)
+
+
+def naive_biased_attention(q, k, v, allowed, bias=None, topk=None):
+    """softmax over allowed keys of q.k / sqrt(Dh) + bias[h], keeping only each row's `topk`
+    largest scores; q: (B, H, T, Dh), k, v: (B, K, S, Dh), allowed (T, S), bias (H, T, S)."""
+    b, h, t, dh = q.shape
+    kv = k.shape[1]
+    out = torch.zeros_like(q)
+    for bi in range(b):
+        for hi in range(h):
+            g = hi // (h // kv)
+            for i in range(t):
+                scores = []
+                for j in range(k.shape[2]):
+                    if not allowed[i, j]:
+                        scores.append(float("-inf"))
+                        continue
+                    value = float(q[bi, hi, i] @ k[bi, g, j]) / math.sqrt(dh)
+                    scores.append(value + (float(bias[hi, i, j]) if bias is not None else 0.0))
+                if topk is not None and topk < len(scores):
+                    kth = sorted(scores, reverse=True)[topk - 1]
+                    scores = [x if x >= kth else float("-inf") for x in scores]
+                p = torch.softmax(torch.tensor(scores, dtype=q.dtype), dim=0)
+                out[bi, hi, i] = p @ v[bi, g]
+    return out

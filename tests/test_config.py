@@ -25,13 +25,14 @@ def test_unknown_table_suggests_the_closest():
 
 def test_all_problems_are_reported_together():
     lines = problems({
-        "model": {"d_model": "512", "positional": "alibi", "n_heads": 8, "dropout": 1.5},
+        "model": {"d_model": "512", "positional": "alibi2", "n_heads": 8, "dropout": 1.5},
         "train": {"lr": -1.0, "max_steps": 10, "betas": [0.9]},
         "eval": {"beam": 0},
     })
     text = "\n".join(lines)
     assert 'model.d_model: expected an integer, found "512" (string)' in text
-    assert "model.positional: expected one of 'sinusoidal', 'learned', 'rope', found \"alibi\"" in text
+    assert ("model.positional: expected one of 'sinusoidal', 'learned', 'rope', 'alibi', 'relative', 'none', "
+            "found \"alibi2\" (string); did you mean 'alibi'?") in text
     assert "train.lr: expected a positive number, found -1.0" in text
     assert "train.betas: expected two numbers in [0, 1), found [0.9]" in text
     assert "eval.beam: expected a positive number, found 0" in text

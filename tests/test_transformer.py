@@ -16,8 +16,9 @@ from tests.reference import naive_classifier, naive_norm, naive_seq2seq, naive_s
 from xformer import config
 from xformer.config import ModelConfig
 from xformer.model.build import build_model, count_parameters
-from xformer.model.feedforward import ACTIVATIONS
+from xformer.model.feedforward import FFNS
 from xformer.model.norms import NORMS
+from xformer.model.patterns import PATTERNS
 from xformer.model.positional import POSITIONAL, RotaryPositional, SinusoidalPositional
 
 D, H, FF, V, PAD = 32, 4, 64, 13, 0
@@ -26,7 +27,7 @@ D, H, FF, V, PAD = 32, 4, 64, 13, 0
 # once, and RoPE, GQA / MQA, RMSNorm and Pre-LN also appear together.
 VARIANTS = {
     "post-ln": {},
-    "pre-ln-gelu": {"norm_position": "pre", "activation": "gelu"},
+    "pre-ln-gelu": {"norm_position": "pre", "ffn": "gelu"},
     "learned-explicit": {"positional": "learned", "attention_backend": "explicit"},
     "learned-unscaled-pre-ln": {"positional": "learned", "scale_embeddings": False, "norm_position": "pre"},
     "rmsnorm": {"norm": "rmsnorm"},
@@ -34,7 +35,7 @@ VARIANTS = {
     "mqa-explicit": {"n_kv_heads": 1, "attention_backend": "explicit"},
     "rope": {"positional": "rope"},
     "rope-gqa-rmsnorm-pre-ln": {"positional": "rope", "n_kv_heads": 2, "norm": "rmsnorm", "norm_position": "pre",
-                                "activation": "gelu"},
+                                "ffn": "gelu"},
     "rope-mqa-explicit": {"positional": "rope", "n_kv_heads": 1, "attention_backend": "explicit"},
 }
 # torch.nn.Transformer takes its input already embedded, so any absolute position encoding fits.
@@ -97,7 +98,7 @@ def torch_slow_path():
 def torch_transformer(cfg: ModelConfig) -> nn.Transformer:
     """torch.nn.Transformer in cfg's shape; for RMSNorm, torch.nn.RMSNorm in every norm slot."""
     ref = nn.Transformer(D, H, cfg.n_encoder_layers, cfg.n_decoder_layers, FF, dropout=0.0,
-                         activation=cfg.activation, layer_norm_eps=cfg.norm_eps, batch_first=True,
+                         activation=cfg.ffn, layer_norm_eps=cfg.norm_eps, batch_first=True,
                          norm_first=cfg.norm_position == "pre").eval()
     if cfg.norm == "rmsnorm":
         for layer in [*ref.encoder.layers, *ref.decoder.layers]:
@@ -434,7 +435,8 @@ def test_too_long_sequence_names_max_positions():
 
 
 @pytest.mark.parametrize("literal,table", [
-    (config.Positional, POSITIONAL), (config.Norm, NORMS), (config.Activation, ACTIVATIONS),
+    (config.Positional, POSITIONAL), (config.Norm, NORMS), (config.FFN, FFNS),
+    (config.AttentionPattern, PATTERNS),
 ])
 def test_every_variant_word_has_an_implementation(literal, table):
     assert set(typing.get_args(literal)) == set(table)

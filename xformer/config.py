@@ -32,10 +32,11 @@ from xformer.strict import (
 # (POSITIONAL in model/positional.py, NORMS in model/norms.py, ...), and a test checks
 # that every word here has an entry there.
 Arch = Literal["seq2seq", "classifier", "lstm"]
-Positional = Literal["sinusoidal", "learned", "rope"]
+Positional = Literal["sinusoidal", "learned", "rope", "alibi", "relative", "none"]
 NormPosition = Literal["post", "pre"]
 Norm = Literal["layernorm", "rmsnorm"]
-Activation = Literal["relu", "gelu"]
+FFN = Literal["relu", "gelu", "swiglu", "geglu"]
+AttentionPattern = Literal["full", "sliding_window", "local_global", "strided", "topk"]
 AttentionBackend = Literal["sdpa", "explicit"]
 TieEmbeddings = Literal["none", "decoder", "all"]
 # "cls", "mean" and "last" for the Transformer classifier; "last", "mean" and "max" for the LSTM
@@ -70,12 +71,26 @@ class ModelConfig:
     # DropHead (Zhou et al. 2020, arXiv:2004.13342): each attention head's output is dropped with
     # this probability per training example, the survivors rescaled by H / (heads kept).
     head_dropout: float = field(default=0.0, metadata=only_when("arch", "seq2seq", "classifier"))
+    # where positions enter (model/positional.py): added to embeddings (sinusoidal, learned),
+    # rotating q and k (rope, Su et al. 2021), a bias on the scores (alibi, Press et al. 2021;
+    # relative: T5's bucketed bias, Raffel et al. 2020), or not at all (none)
     positional: Positional = "sinusoidal"
     max_positions: int = 1024
     norm_position: NormPosition = "post"
     norm: Norm = "layernorm"
     norm_eps: float = 1e-5
-    activation: Activation = "relu"
+    # relu, gelu (Vaswani et al. 2017), or a gated FFN, swiglu / geglu (Shazeer 2020), whose
+    # d_ff is taken as given (2/3 of a plain FFN's d_ff gives it the same parameters)
+    ffn: FFN = "relu"
+    # which keys a query sees (model/patterns.py): full; sliding_window (|q - k| < window);
+    # local_global (a window plus the first global_tokens positions, seen by and seeing all);
+    # strided (|q - k| < stride or a multiple of stride, Child et al. 2019); topk (the topk
+    # largest scores per query; always computed on the explicit path, whatever the backend)
+    attention: AttentionPattern = field(default="full", metadata=only_when("arch", "seq2seq", "classifier"))
+    window: int = field(default=128, metadata=only_when("attention", "sliding_window", "local_global"))
+    global_tokens: int = field(default=1, metadata=only_when("attention", "local_global"))
+    stride: int = field(default=32, metadata=only_when("attention", "strided"))
+    topk: int = field(default=32, metadata=only_when("attention", "topk"))
     attention_backend: AttentionBackend = "sdpa"
     scale_embeddings: bool = True
     tie_embeddings: TieEmbeddings = field(default="decoder", metadata=only_when("arch", "seq2seq"))
@@ -129,6 +144,14 @@ class ModelConfig:
                 f"model.d_model: sinusoidal positions need an even d_model, found {self.d_model}"
             )
         out += pruned_heads_problems(self)
+        if self.attention in ("sliding_window", "local_global"):
+            out += positive(self, "window")
+        if self.attention == "local_global":
+            out += non_negative(self, "global_tokens")
+        if self.attention == "strided":
+            out += positive(self, "stride")
+        if self.attention == "topk":
+            out += positive(self, "topk")
         if self.positional == "rope" and self.n_heads > 0 and self.d_model % self.n_heads == 0 and self.head_dim % 2:
             out.append(
                 f"model.d_model: rotary positions need an even head dimension (d_model / n_heads), "
@@ -157,7 +180,11 @@ class DataConfig:
     max_tokens: int = 4096  # padded tokens per batch, source or target side, whichever is larger
 
     def problems(self) -> list[str]:
-        return positive(self, "max_len", "max_tokens")
+        out = positive(self, "max_len", "max_tokens")
+        if type(self) is DataConfig:  # Recipe() without a data table, built in Python
+            out.append(f"data: a bare DataConfig has no {self.task} fields; use the task's own table class, "
+                       f"xformer.tasks.TASKS[{self.task!r}].Data")
+        return out
 
     def recipe_problems(self, recipe: Recipe) -> list[str]:
         """Rules that tie this table to the others (model.arch, train.best_metric)."""

@@ -53,6 +53,7 @@ def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe
     problems: list[str] = []
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
     overridden = _apply_overrides(raw, overrides, problems)
+    _rename_legacy_keys(raw, problems)
     sections: dict[str, Any] = {}
     for name, value in raw.items():
         if name not in SECTIONS:
@@ -76,6 +77,19 @@ def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe
     if problems:
         raise RecipeError([_locate(p, source, overridden) for p in problems])
     return recipe
+
+
+LEGACY_KEYS = {("model", "activation"): "ffn"}  # key -> its new name; run directories still hold the old one
+
+
+def _rename_legacy_keys(raw: dict, problems: list[str]) -> None:
+    for (section, old), new in LEGACY_KEYS.items():
+        table = raw.get(section)
+        if isinstance(table, dict) and old in table:
+            if new in table:
+                problems.append(f"{section}.{old}: the old name of {section}.{new}; give only {section}.{new}")
+            else:
+                table[new] = table.pop(old)
 
 
 def _data_from_dict(table: dict, problems: list[str]):

@@ -12,12 +12,15 @@ arXiv:2305.13245).
 
 Two paths compute the same thing and are tested to agree: `explicit_attention`, written
 out so it can return the probabilities (head inspection needs them), and PyTorch's fused
-`scaled_dot_product_attention`.
+`scaled_dot_product_attention`. Both take a boolean mask (True = may attend) and an additive
+float score bias (ALiBi, T5's relative bias); only the explicit path takes a score hook (top-k),
+so MultiHeadAttention sends a module with one there whatever its backend.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -26,35 +29,53 @@ from torch import Tensor, nn
 
 def explicit_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
-    dropout: float = 0.0, training: bool = False,
+    dropout: float = 0.0, training: bool = False, bias: Tensor | None = None,
+    score_hook: Callable[[Tensor], Tensor] | None = None, drop: nn.Module | None = None,
 ) -> tuple[Tensor, Tensor]:
-    """softmax(q k^T / sqrt(Dh) + mask) v, and the probabilities.
+    """softmax(score_hook(q k^T / sqrt(Dh) + bias, masked)) v, and the probabilities.
 
     q: (B, H, T, Dh); k, v: (B, K, S, Dh) with H a multiple of K; mask: boolean, True where
-    attendable, broadcastable to (B, H, T, S). Returns (B, H, T, Dh) and (B, H, T, S).
-    The grouped matmul never copies k and v to H heads.
+    attendable, broadcastable to (B, H, T, S); bias: float, broadcastable to (B, H, T, S);
+    score_hook: (B, H, T, S) scores with masked ones at -inf -> scores. Returns (B, H, T, Dh)
+    and (B, H, T, S). `drop`: the dropout module to apply to the probabilities (its own p and
+    mode; MultiHeadAttention's, which training may switch to the fast CPU mask) instead of
+    F.dropout(dropout, training). The grouped matmul never copies k and v to H heads.
     """
     b, h, t, dh = q.shape
     kv, s = k.size(1), k.size(2)
     qg = q.reshape(b, kv, h // kv, t, dh)  # (B, K, G, T, Dh)
     scores = qg @ k[:, :, None].transpose(-1, -2) / math.sqrt(dh)  # (B, K, G, T, S)
     scores = scores.view(b, h, t, s)
+    if bias is not None:
+        scores = scores + bias.to(scores.dtype)
     if is_causal:
         scores = scores.masked_fill(~torch.ones(t, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
     if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
+    if score_hook is not None:
+        scores = score_hook(scores)
     probs = scores.softmax(dim=-1)
-    dropped = F.dropout(probs, dropout, training)
+    dropped = drop(probs) if drop is not None else F.dropout(probs, dropout, training)
     out = dropped.view(b, kv, h // kv, t, s) @ v[:, :, None]  # (B, K, G, T, Dh)
     return out.view(b, h, t, dh), probs
 
 
 def sdpa_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
-    dropout: float = 0.0, training: bool = False,
+    dropout: float = 0.0, training: bool = False, bias: Tensor | None = None,
 ) -> Tensor:
-    """The same as `explicit_attention` through `F.scaled_dot_product_attention`
-    (flash / memory-efficient kernels where the inputs allow)."""
+    """The same as `explicit_attention` (without a score hook) through
+    `F.scaled_dot_product_attention` (flash / memory-efficient kernels where the inputs allow;
+    a bias makes the mask a float one, which those kernels take as an additive mask)."""
+    if bias is not None:  # one additive float mask: the bias, -inf where masked or in the future
+        t, s = q.size(2), k.size(2)
+        float_mask = bias.to(q.dtype)
+        if is_causal:
+            float_mask = float_mask.masked_fill(~torch.ones(t, s, dtype=torch.bool, device=q.device).tril(),
+                                                float("-inf"))
+        if mask is not None:
+            float_mask = float_mask.masked_fill(~mask, float("-inf"))
+        mask, is_causal = float_mask, False
     h, kv = q.size(1), k.size(1)
     if kv != h:  # (B, K, S, Dh) -> (B, H, S, Dh): a copy, as SDPA's enable_gqa needs torch >= 2.5
         b, _, s, dh = k.shape
@@ -65,6 +86,7 @@ def sdpa_attention(
         # de->en recipe: 22% of a bf16-autocast step), and attention is a small share of the
         # FLOPs at these lengths: it runs in fp32 and only its output returns to bf16.
         with torch.autocast("cpu", enabled=False):
+            mask = mask.float() if mask is not None and mask.is_floating_point() else mask
             return sdpa_attention(q.float(), k.float(), v.float(), mask, is_causal, dropout, training).to(q.dtype)
     return F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, dropout_p=dropout if training else 0.0, is_causal=is_causal
@@ -126,15 +148,22 @@ class MultiHeadAttention(nn.Module):
             raise ValueError(f"need d_model % n_heads == 0 and n_heads % n_kv_heads == 0, got "
                              f"{d_model=}, {n_heads=}, n_kv_heads={self.n_kv_heads}")
         self.head_dim = d_model // n_heads
-        self.dropout = dropout
+        self.dropout = dropout  # SDPA's dropout_p; the explicit path applies attn_drop
+        self.attn_drop = nn.Dropout(dropout)
         self.head_dropout = head_dropout
         self.backend = backend
         self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
         self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
-        # Set by build_model for model.positional = "rope" (self-attention only): rotates q and k.
+        # Set by build_model from the positional encoding (self-attention only): `rotary` rotates q
+        # and k (ACTS_ON "qk"); `score_bias` adds bias(t, s, offset) (H, T, S) to the scores
+        # (ACTS_ON "scores"), shared across the stack, of which `bias_heads` are this module's
+        # heads (after pruning). `score_hook` comes from the attention pattern (top-k).
         self.rotary: nn.Module | None = None
+        self.score_bias: nn.Module | None = None
+        self.bias_heads: Tensor | None = None
+        self.score_hook: Callable[[Tensor], Tensor] | None = None
         # Head inspection (xformer/heads): a (H,) multiplier on each head's output before out_proj
         # (0 ablates a head; a leaf with requires_grad gives Michel et al.'s gate gradient), with
         # head_fill (H, Dh) what a gated-off head outputs instead of 0 (its mean: mean-ablation),
@@ -154,6 +183,7 @@ class MultiHeadAttention(nn.Module):
         """
         b, t, _ = x.shape
         q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        past = 0 if cache is None or memory is not None else cache.length  # positions of new tokens start here
         if memory is not None and cache is not None and cache.k is not None:
             k, v = cache.k, cache.v  # cross-attention: encoder keys computed at the first step
         else:
@@ -162,17 +192,23 @@ class MultiHeadAttention(nn.Module):
             k = self.k_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, Dh)
             v = self.v_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
             if self.rotary is not None and memory is None:
-                past = 0 if cache is None else cache.length  # positions of the new tokens start here
                 q, k = self.rotary.rotate(q, past), self.rotary.rotate(k, past)
             if cache is not None:
                 k, v = cache.append(k, v)
+        bias = None
+        if self.score_bias is not None and memory is None:
+            bias = self.score_bias.bias(t, k.size(2), past)  # (H0, T, S) for the stack's original heads
+            if self.bias_heads is not None:
+                bias = bias.index_select(0, self.bias_heads.to(bias.device))
         probs = None
-        if need_weights or self.on_probs is not None or self.backend == "explicit":
-            out, probs = explicit_attention(q, k, v, mask, is_causal, self.dropout, self.training)
+        explicit = need_weights or self.on_probs is not None or self.backend == "explicit"
+        if explicit or (self.score_hook is not None and memory is None):  # SDPA has no score hook
+            hook = self.score_hook if memory is None else None
+            out, probs = explicit_attention(q, k, v, mask, is_causal, bias=bias, score_hook=hook, drop=self.attn_drop)
             if self.on_probs is not None:
                 self.on_probs(probs)
         else:
-            out = sdpa_attention(q, k, v, mask, is_causal, self.dropout, self.training)
+            out = sdpa_attention(q, k, v, mask, is_causal, self.dropout, self.training, bias)
         if self.training and self.head_dropout > 0:
             out = drop_heads(out, self.head_dropout)
         if self.head_gate is not None:
@@ -182,6 +218,13 @@ class MultiHeadAttention(nn.Module):
                 out = out + (1 - gate) * self.head_fill.to(out.dtype)[:, None, :]  # (H, 1, Dh)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*Dh)
         return self.out_proj(out), probs if need_weights else None
+
+    @property
+    def query_position_dependent(self) -> bool:
+        """Whether a query's result depends on its position beyond q and k themselves (rotary
+        queries, a position bias): then a subset of query rows cannot be computed alone with
+        the rows' own positions lost."""
+        return self.rotary is not None or self.score_bias is not None
 
     def prune_heads(self, remove: list[int], fill: Tensor | None = None, gate: Tensor | None = None) -> None:
         """Remove query heads `remove` (indices into the current heads) physically: their rows of
@@ -223,6 +266,9 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = _select(self.k_proj, rows(kv_rows), dim=0)
         self.v_proj = _select(self.v_proj, rows(kv_rows), dim=0)
         self.out_proj = _select(self.out_proj, rows(keep), dim=1)
+        if self.score_bias is not None:  # the shared bias keeps the stack's original heads
+            current = self.bias_heads if self.bias_heads is not None else torch.arange(self.n_heads)
+            self.bias_heads = current[torch.tensor(keep)]
         self.n_heads, self.n_kv_heads = len(keep), len(kv_rows)
         self.head_gate = self.head_fill = None
 

@@ -10,10 +10,10 @@ from torch import nn
 
 from xformer.config import ModelConfig
 from xformer.model.attention import MultiHeadAttention
-from xformer.model.feedforward import FeedForward
 from xformer.model.lstm import LSTMClassifier, match_hidden
 from xformer.model.norms import NORMS
-from xformer.model.positional import POSITIONAL, RotaryPositional
+from xformer.model.patterns import make_pattern
+from xformer.model.positional import POSITIONAL
 from xformer.model.transformer import (
     Classifier,
     Decoder,
@@ -44,33 +44,46 @@ def build_model(
     layer_args = dict(
         n_kv_heads=cfg.n_kv_heads, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
         activation_dropout=cfg.activation_dropout, head_dropout=cfg.head_dropout,
-        activation=cfg.activation, norm=cfg.norm,
+        ffn=cfg.ffn, norm=cfg.norm,
         norm_eps=cfg.norm_eps, norm_position=cfg.norm_position, backend=cfg.attention_backend,
     )
 
     def final_norm():
         return NORMS[cfg.norm](cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else None
 
-    def embedder(embedding):
+    def positional(bidirectional: bool) -> nn.Module:
         if cfg.positional == "learned":  # at the scale of the (possibly sqrt(D)-scaled) tokens
-            positional = POSITIONAL["learned"](cfg.d_model, cfg.max_positions,
-                                               std=1.0 if cfg.scale_embeddings else cfg.d_model**-0.5)
-        elif cfg.positional == "rope":  # rotates queries and keys: see share_rotary
-            positional = POSITIONAL["rope"](cfg.head_dim, cfg.max_positions)
-        else:
-            positional = POSITIONAL[cfg.positional](cfg.d_model, cfg.max_positions)
-        return Embedder(embedding, positional, cfg.max_positions, cfg.dropout, cfg.scale_embeddings)
+            return POSITIONAL["learned"](cfg.d_model, cfg.max_positions,
+                                         std=1.0 if cfg.scale_embeddings else cfg.d_model**-0.5)
+        if cfg.positional == "rope":
+            return POSITIONAL["rope"](cfg.head_dim, cfg.max_positions)
+        if cfg.positional == "alibi":
+            return POSITIONAL["alibi"](cfg.n_heads)
+        if cfg.positional == "relative":  # T5: bidirectional buckets in the encoder, causal in the decoder
+            return POSITIONAL["relative"](cfg.n_heads, bidirectional, cfg.d_model)
+        if cfg.positional == "none":
+            return POSITIONAL["none"]()
+        return POSITIONAL[cfg.positional](cfg.d_model, cfg.max_positions)
 
-    def share_rotary(stack):  # RoPE acts inside every self-attention of the stack
-        if isinstance(stack.embed.positional, RotaryPositional):
-            for layer in stack.layers:
-                layer.self_attn.rotary = stack.embed.positional
+    def embedder(embedding, position: nn.Module) -> Embedder:
+        return Embedder(embedding, position, cfg.max_positions, cfg.dropout, cfg.scale_embeddings)
+
+    def wire(stack):  # a positional encoding that acts inside attention reaches every self-attention
+        position, pattern = stack.embed.positional, stack.pattern
+        for layer in stack.layers:
+            if position.ACTS_ON == "qk":
+                layer.self_attn.rotary = position
+            elif position.ACTS_ON == "scores":
+                layer.self_attn.score_bias = position
+            layer.self_attn.score_hook = pattern.score_hook
         return stack
 
+    pattern = make_pattern(cfg.attention, window=cfg.window, global_tokens=cfg.global_tokens, stride=cfg.stride,
+                           topk=cfg.topk)
     src_embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
     encoder_layers = [EncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
                       for _ in range(cfg.n_encoder_layers)]
-    encoder = share_rotary(Encoder(embedder(src_embedding), encoder_layers, final_norm()))
+    encoder = wire(Encoder(embedder(src_embedding, positional(True)), encoder_layers, final_norm(), pattern))
 
     if cfg.arch == "classifier":
         if n_classes is None:
@@ -86,7 +99,7 @@ def build_model(
             tgt_embedding = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=pad_id)
         decoder_layers = [DecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
                           for _ in range(cfg.n_decoder_layers)]
-        decoder = share_rotary(Decoder(embedder(tgt_embedding), decoder_layers, final_norm()))
+        decoder = wire(Decoder(embedder(tgt_embedding, positional(False)), decoder_layers, final_norm(), pattern))
         output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
         if cfg.tie_embeddings != "none":
             output.weight = tgt_embedding.weight  # Press & Wolf 2017, arXiv:1608.05859
@@ -129,7 +142,9 @@ def init_fairseq_(model: nn.Module, d_model: int) -> None:
     - attention q/k/v projections Xavier-uniform with gain 1/sqrt(2) (fairseq does this when
       q, k and v have the same size, equivalent to Xavier on the packed in-projection), the
       attention output projection and both FFN linears Xavier-uniform; every bias zero;
-    - norms at weight 1, bias 0 (their default).
+    - norms at weight 1, bias 0 (their default); modules with their own `init_fairseq_`
+      (feed-forward blocks, learned positions, T5's bias table) initialise themselves, so a
+      new module's weights are never left at torch's defaults by a name this function misses.
     """
     for module in model.modules():
         if isinstance(module, MultiHeadAttention):
@@ -139,10 +154,10 @@ def init_fairseq_(model: nn.Module, d_model: int) -> None:
             for proj in (module.q_proj, module.k_proj, module.v_proj, module.out_proj):
                 if proj.bias is not None:
                     nn.init.zeros_(proj.bias)
-        elif isinstance(module, FeedForward):
-            for fc in (module.fc1, module.fc2):
-                nn.init.xavier_uniform_(fc.weight)
-                nn.init.zeros_(fc.bias)
+        elif hasattr(module, "init_fairseq_"):  # FFNs, positions: modules that initialise themselves
+            module.init_fairseq_()
+        elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
+            module.reset_parameters()  # weight 1, bias 0
         elif isinstance(module, Embedder):
             nn.init.normal_(module.embedding.weight, mean=0.0, std=d_model**-0.5)
             if module.embedding.padding_idx is not None:

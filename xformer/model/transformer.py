@@ -19,9 +19,10 @@ import torch
 from torch import Tensor, nn
 
 from xformer.model.attention import KVCache, MultiHeadAttention
-from xformer.model.feedforward import FeedForward
+from xformer.model.feedforward import FFNS
 from xformer.model.masks import causal_mask, padding_mask
 from xformer.model.norms import NORMS
+from xformer.model.patterns import Full, self_attention_mask
 
 
 class EncoderLayer(nn.Module):
@@ -30,7 +31,7 @@ class EncoderLayer(nn.Module):
     def __init__(
         self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
         dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-        head_dropout: float = 0.0, activation: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
+        head_dropout: float = 0.0, ffn: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
         norm_position: str = "post", backend: str = "sdpa",
     ):
         super().__init__()
@@ -38,7 +39,7 @@ class EncoderLayer(nn.Module):
         self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
                                             head_dropout=head_dropout)
         self.self_attn_norm = NORMS[norm](d_model, norm_eps)
-        self.ffn = FeedForward(d_model, d_ff, activation, activation_dropout)
+        self.ffn = FFNS[ffn](d_model, d_ff, activation_dropout)
         self.ffn_norm = NORMS[norm](d_model, norm_eps)
         self.drop = nn.Dropout(dropout)
 
@@ -71,7 +72,7 @@ class DecoderLayer(nn.Module):
     def __init__(
         self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
         dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-        head_dropout: float = 0.0, activation: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
+        head_dropout: float = 0.0, ffn: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
         norm_position: str = "post", backend: str = "sdpa",
     ):
         super().__init__()
@@ -82,7 +83,7 @@ class DecoderLayer(nn.Module):
         self.cross_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
                                             head_dropout=head_dropout)
         self.cross_attn_norm = NORMS[norm](d_model, norm_eps)
-        self.ffn = FeedForward(d_model, d_ff, activation, activation_dropout)
+        self.ffn = FFNS[ffn](d_model, d_ff, activation_dropout)
         self.ffn_norm = NORMS[norm](d_model, norm_eps)
         self.drop = nn.Dropout(dropout)
 
@@ -137,20 +138,37 @@ class Embedder(nn.Module):
 
 
 class Encoder(nn.Module):
-    """Embedder, a stack of EncoderLayers, and a final norm for Pre-LN."""
+    """Embedder, a stack of EncoderLayers, and a final norm for Pre-LN; `pattern` (patterns.py)
+    says which keys each query sees."""
 
-    def __init__(self, embed: Embedder, layers: list[EncoderLayer], final_norm: nn.Module | None = None):
+    def __init__(self, embed: Embedder, layers: list[EncoderLayer], final_norm: nn.Module | None = None,
+                 pattern: Full | None = None):
         super().__init__()
         self.embed = embed
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm if final_norm is not None else nn.Identity()
+        self.pattern = pattern or Full()
+
+    def computes_rows(self) -> bool:
+        """Whether the last layer may compute a few query rows alone (the classifier's pooled
+        row): not when a query's keys or scores depend on its position (pattern, rotary or
+        bias), nor with a score hook (top-k), nor while attention maps are captured (S x S)."""
+        if not len(self.layers):
+            return False
+        attention = self.layers[-1].self_attn
+        return not (self.pattern.QUERY_DEPENDENT or attention.query_position_dependent
+                    or attention.score_hook is not None or attention.on_probs is not None)
 
     def forward(self, tokens: Tensor, pad: Tensor, prefix: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
         """tokens, pad: (B, S) -> (B, S, D) (or (B, P + S, D) with a prefix; `pad` then
         covers the prefix too). With `rows` (B,): the last layer computes only position
         rows[b] of each sequence, -> (B, D)."""
         x = self.embed(tokens, prefix=prefix)
-        mask = padding_mask(pad)  # (B, 1, 1, S), computed once for every layer
+        if not self.pattern.QUERY_DEPENDENT:
+            mask = padding_mask(pad)  # (B, 1, 1, S), computed once for every layer
+        else:  # (B, 1, S, S): the pattern and padding
+            s = x.size(1)
+            mask = self_attention_mask(self.pattern, s, s, 0, causal=False, pad=pad, device=x.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, rows if i == len(self.layers) - 1 else None)
         x = self.final_norm(x)
@@ -176,13 +194,16 @@ class DecoderCache:
 
 
 class Decoder(nn.Module):
-    """Embedder, a stack of DecoderLayers, and a final norm for Pre-LN."""
+    """Embedder, a stack of DecoderLayers, and a final norm for Pre-LN; `pattern` (patterns.py)
+    restricts the causal self-attention further."""
 
-    def __init__(self, embed: Embedder, layers: list[DecoderLayer], final_norm: nn.Module | None = None):
+    def __init__(self, embed: Embedder, layers: list[DecoderLayer], final_norm: nn.Module | None = None,
+                 pattern: Full | None = None):
         super().__init__()
         self.embed = embed
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm if final_norm is not None else nn.Identity()
+        self.pattern = pattern or Full()
 
     def forward(self, tokens: Tensor, memory: Tensor, memory_pad: Tensor,
                 cache: DecoderCache | None = None) -> Tensor:
@@ -195,7 +216,10 @@ class Decoder(nn.Module):
         past = 0 if cache is None else cache.length
         t = tokens.size(1)
         x = self.embed(tokens, offset=past)
-        if past == 0:
+        if self.pattern.QUERY_DEPENDENT:  # the pattern's causal mask over every key so far
+            self_mask = self_attention_mask(self.pattern, t, past + t, past, causal=True, device=tokens.device)
+            is_causal = False
+        elif past == 0:
             self_mask, is_causal = None, True
         elif t == 1:
             self_mask, is_causal = None, False  # one new token sees every cached one
@@ -264,11 +288,9 @@ class Classifier(nn.Module):
         self.head = nn.Linear(d_model, n_classes)
 
     def _last_row_only(self) -> bool:
-        """Whether the last layer may compute the pooled position (cls or last) alone (the same result,
-        ~S times less work in that layer): not when its queries rotate by position (RoPE),
-        nor while its attention maps are being captured (they must be S x S)."""
-        attention = self.encoder.layers[-1].self_attn if len(self.encoder.layers) else None
-        return attention is not None and attention.rotary is None and attention.on_probs is None
+        """Whether the last layer may compute the pooled position (cls or last) alone (the same
+        result, ~S times less work in that layer): Encoder.computes_rows."""
+        return self.encoder.computes_rows()
 
     def forward(self, tokens: Tensor) -> Tensor:
         """tokens: (B, S) -> logits (B, C)."""

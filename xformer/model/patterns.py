@@ -1,0 +1,122 @@
+"""Attention patterns, one entry per `model.attention` value: which keys a query may see.
+
+A pattern answers for absolute positions: `allowed(q, k)` takes query positions (T, 1) and
+key positions (1, S) and returns a boolean (T, S), True where attendable, or None for every
+key. Encoder, decoder and KV cache build their masks from it (`self_attention_mask`), combined
+with padding and causality; a pattern that decides by score instead of position (top-k) gives
+attention a `score_hook`, which only the explicit path runs (MultiHeadAttention routes to it).
+
+    full            every key (Vaswani et al. 2017)
+    sliding_window  keys fewer than `window` positions away (Longformer, Beltagy et al. 2020,
+                    arXiv:2004.05150; causally: the window - 1 keys before and itself, Mistral)
+    local_global    a sliding window, plus the first `global_tokens` positions, which every
+                    query sees and which see every key (Longformer's global attention on
+                    CLS / BOS; BigBird, Zaheer et al. 2020, arXiv:2007.14062)
+    strided         keys fewer than `stride` away or a multiple of `stride` away: the strided
+                    factorised pattern of Child et al. 2019 (arXiv:1904.10509) in one head
+                    (the 1-D form of axial attention)
+    topk            the `topk` largest scores of each query (Zhao et al. 2019, explicit sparse
+                    attention, arXiv:1912.11637), the rest set to -inf before the softmax
+
+QUERY_DEPENDENT says whether a query's visible keys depend on where the query is (so the
+pattern needs a mask); fast paths that compute a subset of query rows (the classifier's pooled
+row) read it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+
+class Full:
+    QUERY_DEPENDENT = False
+    score_hook: Callable[[Tensor], Tensor] | None = None
+
+    def allowed(self, q: Tensor, k: Tensor) -> Tensor | None:
+        return None
+
+
+class SlidingWindow(Full):
+    QUERY_DEPENDENT = True
+
+    def __init__(self, window: int):
+        self.window = window
+
+    def allowed(self, q: Tensor, k: Tensor) -> Tensor:
+        return (q - k).abs() < self.window
+
+
+class LocalGlobal(SlidingWindow):
+    def __init__(self, window: int, global_tokens: int):
+        super().__init__(window)
+        self.global_tokens = global_tokens
+
+    def allowed(self, q: Tensor, k: Tensor) -> Tensor:
+        return super().allowed(q, k) | (k < self.global_tokens) | (q < self.global_tokens)
+
+
+class Strided(Full):
+    QUERY_DEPENDENT = True
+
+    def __init__(self, stride: int):
+        self.stride = stride
+
+    def allowed(self, q: Tensor, k: Tensor) -> Tensor:
+        distance = (q - k).abs()
+        return (distance < self.stride) | (distance % self.stride == 0)
+
+
+class TopK(Full):
+    """Decides by score, not position: every query row on its own (QUERY_DEPENDENT stays False)."""
+
+    def __init__(self, k: int):
+        self.k = k
+        self.score_hook = self.keep_top
+
+    def keep_top(self, scores: Tensor) -> Tensor:
+        """scores (..., S), masked ones already -inf -> the k largest of each row kept (ties at
+        the k-th value kept too), the rest -inf."""
+        if self.k >= scores.size(-1):
+            return scores
+        kth = scores.topk(self.k, dim=-1).values[..., -1:]
+        return scores.masked_fill(scores < kth, float("-inf"))
+
+
+def make_pattern(name: str, *, window: int = 0, global_tokens: int = 0, stride: int = 0, topk: int = 0) -> Full:
+    """The pattern object of `model.attention` = name with its parameters."""
+    return PATTERNS[name](window=window, global_tokens=global_tokens, stride=stride, topk=topk)
+
+
+# One entry per `model.attention` value: the pattern's parameters -> a pattern object.
+PATTERNS = {
+    "full": lambda **_: Full(),
+    "sliding_window": lambda window, **_: SlidingWindow(window),
+    "local_global": lambda window, global_tokens, **_: LocalGlobal(window, global_tokens),
+    "strided": lambda stride, **_: Strided(stride),
+    "topk": lambda topk, **_: TopK(topk),
+}
+
+
+def self_attention_mask(pattern: Full, t: int, s: int, offset: int, *, causal: bool, pad: Tensor | None = None,
+                        device: torch.device | None = None) -> Tensor | None:
+    """The boolean mask (B or 1, 1, T, S) of a self-attention whose T queries sit at positions
+    offset .. offset + T - 1 and whose S keys at 0 .. S - 1: the pattern, causality (keys at or
+    before the query) and key padding `pad` (B, S), True at padding. A query always sees
+    itself, so no row is empty (a padded query far from real tokens would otherwise see
+    nothing under a window, and its NaN would reach real rows through 0 * NaN). None when
+    nothing is masked."""
+    q = torch.arange(offset, offset + t, device=device)[:, None]
+    k = torch.arange(s, device=device)[None, :]
+    allowed = pattern.allowed(q, k)
+    if causal:
+        allowed = (k <= q) if allowed is None else allowed & (k <= q)
+    if pad is not None:
+        keep = ~pad[:, None, None, :]  # (B, 1, 1, S)
+        allowed = keep if allowed is None else keep & allowed
+    if allowed is None:
+        return None
+    allowed = allowed | (k == q)
+    return allowed if allowed.dim() == 4 else allowed[None, None]
