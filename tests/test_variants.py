@@ -2,6 +2,7 @@
 definition (tests/reference.py), in degenerate equivalences, with the KV cache, and for every
 value of every axis (parametrised from the axis dicts, so a new entry is tested unasked)."""
 
+import dataclasses
 import math
 import typing
 
@@ -189,7 +190,7 @@ def test_future_tokens_and_padding_never_change_earlier_real_outputs(positional,
 # ---------------------------------------------------------------- every axis value, end to end
 
 
-EVERY_VALUE = ([("positional", p) for p in POSITIONAL] + [("ffn", f) for f in FFNS]
+EVERY_VALUE = ([("positional", p) for p in POSITIONAL] + [("ffn", f) for f in FFNS] + [("memory_tokens", 2)]
                + [("attention", a) for a in PATTERNS])
 
 
@@ -290,3 +291,47 @@ def test_a_pooled_classifier_reads_what_the_full_encoder_computes(positional, at
             last = (~pad).sum(1) - 1
             states = model.encoder(tokens, pad)[torch.arange(2), last]
     torch.testing.assert_close(got, model.head(states), atol=1e-6, rtol=1e-5)
+
+
+# ---------------------------------------------------------------- memory tokens
+
+
+def test_memory_tokens_are_keys_and_values_every_query_sees_first():
+    torch.manual_seed(0)
+    from xformer.model.attention import MultiHeadAttention
+
+    attention = MultiHeadAttention(16, 4, 2, memory_tokens=3).double().eval()
+    attention.init_fairseq_()
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    with torch.no_grad():
+        out, _ = attention(x, is_causal=True)
+        q = attention.q_proj(x).view(2, 5, 4, 4).transpose(1, 2)
+        k = attention.k_proj(x).view(2, 5, 2, 4).transpose(1, 2)
+        v = attention.v_proj(x).view(2, 5, 2, 4).transpose(1, 2)
+        k = torch.cat([attention.mem_k.expand(2, -1, -1, -1), k], dim=2)
+        v = torch.cat([attention.mem_v.expand(2, -1, -1, -1), v], dim=2)
+        allowed = torch.cat([torch.ones(5, 3, dtype=torch.bool), torch.ones(5, 5, dtype=torch.bool).tril()], dim=1)
+        heads = naive_biased_attention(q, k, v, allowed)
+        expected = attention.out_proj(heads.transpose(1, 2).reshape(2, 5, 16))
+    torch.testing.assert_close(out, expected)
+
+
+@pytest.mark.parametrize("positional,attention", [("sinusoidal", "full"), ("rope", "sliding_window"),
+                                                  ("alibi", "topk"), ("relative", "local_global")])
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_memory_tokens_decode_incrementally_as_the_full_forward(positional, attention, kv_heads):
+    torch.manual_seed(0)
+    cfg = tiny(positional=positional, n_kv_heads=kv_heads, memory_tokens=2, **pattern_fields(attention))
+    model = build_model(cfg, V).eval()
+    src, tgt = torch.randint(4, V, (2, 8)), torch.stack([torch.randperm(V - 4)[:7] + 4 for _ in range(2)])
+    with torch.no_grad():
+        full = model(src, tgt)
+        memory, pad = model.encode(src)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, a:b], memory, pad, cache) for a, b in ((0, 2), (2, 3), (3, 7))]
+        assert cache.length == 7  # the slots never enter the cache
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+    pruned = build_model(dataclasses.replace(cfg, pruned_heads=["encoder.0.self_attn:1"]), V).eval()
+    assert pruned.encoder.layers[0].self_attn.mem_k.shape[0] == 3  # the slots of the key/value heads left
+    with torch.no_grad():
+        assert torch.isfinite(pruned(src, tgt)).all()

@@ -91,6 +91,9 @@ class ModelConfig:
     global_tokens: int = field(default=1, metadata=only_when("attention", "local_global"))
     stride: int = field(default=32, metadata=only_when("attention", "strided"))
     topk: int = field(default=32, metadata=only_when("attention", "topk"))
+    # learned key/value slots every self-attention query may attend to, ahead of the sequence's
+    # keys (memory-augmented attention; x-transformers' num_mem_kv); 0: none
+    memory_tokens: int = field(default=0, metadata=only_when("arch", "seq2seq", "classifier"))
     attention_backend: AttentionBackend = "sdpa"
     scale_embeddings: bool = True
     tie_embeddings: TieEmbeddings = field(default="decoder", metadata=only_when("arch", "seq2seq"))
@@ -152,6 +155,7 @@ class ModelConfig:
             out += positive(self, "stride")
         if self.attention == "topk":
             out += positive(self, "topk")
+        out += non_negative(self, "memory_tokens")
         if self.positional == "rope" and self.n_heads > 0 and self.d_model % self.n_heads == 0 and self.head_dim % 2:
             out.append(
                 f"model.d_model: rotary positions need an even head dimension (d_model / n_heads), "

@@ -109,6 +109,10 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
         raise RunError(f"save_pruned: {save_pruned} exists and is not empty; choose a new directory")
     started = time.perf_counter()
     recipe = load_run_recipe(run_dir)
+    if recipe.model.arch != "lstm" and recipe.model.memory_tokens:
+        raise RunError(f"{run_dir}: model.memory_tokens = {recipe.model.memory_tokens}: the memory slots are "
+                       "learned vectors, not tokens of the input, so head roles and maps over them mean nothing; "
+                       "inspect-heads analyses models without memory tokens")
     checkpoint = checkpoint or recipe.eval.checkpoint
     subject = make_task(recipe).subject(run_dir, split=split, data=data, n_examples=config.n_examples,
                                         checkpoint=checkpoint, device=config.device)

@@ -139,7 +139,7 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(
         self, d_model: int, n_heads: int, n_kv_heads: int | None = None, dropout: float = 0.0,
-        backend: str = "sdpa", bias: bool = True, head_dropout: float = 0.0,
+        backend: str = "sdpa", bias: bool = True, head_dropout: float = 0.0, memory_tokens: int = 0,
     ):
         super().__init__()
         self.n_heads = n_heads
@@ -156,6 +156,11 @@ class MultiHeadAttention(nn.Module):
         self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
         self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
+        # Memory tokens (x-transformers' num_mem_kv; memory-augmented attention, Sukhbaatar et al.
+        # 2019, arXiv:1907.01470): learned key/value slots (K, M, Dh) every query may attend to,
+        # ahead of the sequence's own keys; they have no position and never enter a KV cache.
+        self.mem_k = nn.Parameter(torch.empty(self.n_kv_heads, memory_tokens, self.head_dim)) if memory_tokens else None
+        self.mem_v = nn.Parameter(torch.empty(self.n_kv_heads, memory_tokens, self.head_dim)) if memory_tokens else None
         # Set by build_model from the positional encoding (self-attention only): `rotary` rotates q
         # and k (ACTS_ON "qk"); `score_bias` adds bias(t, s, offset) (H, T, S) to the scores
         # (ACTS_ON "scores"), shared across the stack, of which `bias_heads` are this module's
@@ -200,6 +205,9 @@ class MultiHeadAttention(nn.Module):
             bias = self.score_bias.bias(t, k.size(2), past)  # (H0, T, S) for the stack's original heads
             if self.bias_heads is not None:
                 bias = bias.index_select(0, self.bias_heads.to(bias.device))
+        if self.mem_k is not None:  # M slots in front of the keys: always visible, no bias
+            k, v, mask, bias = self._with_memory_tokens(k, v, mask, is_causal, bias)
+            is_causal = False
         probs = None
         explicit = need_weights or self.on_probs is not None or self.backend == "explicit"
         if explicit or (self.score_hook is not None and memory is None):  # SDPA has no score hook
@@ -218,6 +226,37 @@ class MultiHeadAttention(nn.Module):
                 out = out + (1 - gate) * self.head_fill.to(out.dtype)[:, None, :]  # (H, 1, Dh)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*Dh)
         return self.out_proj(out), probs if need_weights else None
+
+    def _with_memory_tokens(self, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
+                            bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """k, v (B, K, S, Dh) -> (B, K, M + S, Dh) with the memory slots first; the mask (the
+        causal one spelt out) and the bias get M visible, unbiased columns in front."""
+        b, s, m = k.size(0), k.size(2), self.mem_k.size(1)
+        k = torch.cat([self.mem_k.to(k.dtype).expand(b, -1, -1, -1), k], dim=2)
+        v = torch.cat([self.mem_v.to(v.dtype).expand(b, -1, -1, -1), v], dim=2)
+        if is_causal:  # only ever passed with T == S
+            causal = torch.ones(s, s, dtype=torch.bool, device=k.device).tril()[None, None]
+            mask = causal if mask is None else mask & causal
+        if mask is not None:
+            front = torch.ones(*mask.shape[:-1], m, dtype=torch.bool, device=mask.device)
+            mask = torch.cat([front, mask], dim=-1)
+        if bias is not None:
+            bias = torch.cat([bias.new_zeros(*bias.shape[:-1], m), bias], dim=-1)
+        return k, v, mask, bias
+
+    def init_fairseq_(self) -> None:
+        """fairseq's attention init: q/k/v Xavier-uniform with gain 1/sqrt(2) (what Xavier on
+        the packed in-projection gives when q, k and v have the same size), out_proj
+        Xavier-uniform, biases zero; memory slots N(0, 1), as x-transformers draws them."""
+        for proj in (self.q_proj, self.k_proj, self.v_proj):
+            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
+        nn.init.xavier_uniform_(self.out_proj.weight)
+        for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
+            if proj.bias is not None:
+                nn.init.zeros_(proj.bias)
+        if self.mem_k is not None:
+            nn.init.normal_(self.mem_k)
+            nn.init.normal_(self.mem_v)
 
     @property
     def query_position_dependent(self) -> bool:
@@ -265,6 +304,10 @@ class MultiHeadAttention(nn.Module):
         self.q_proj = _select(self.q_proj, rows(keep), dim=0)
         self.k_proj = _select(self.k_proj, rows(kv_rows), dim=0)
         self.v_proj = _select(self.v_proj, rows(kv_rows), dim=0)
+        if self.mem_k is not None:  # memory slots belong to key/value heads
+            index = torch.tensor(kv_rows, device=self.mem_k.device)
+            self.mem_k = nn.Parameter(self.mem_k.detach().index_select(0, index))
+            self.mem_v = nn.Parameter(self.mem_v.detach().index_select(0, index))
         self.out_proj = _select(self.out_proj, rows(keep), dim=1)
         if self.score_bias is not None:  # the shared bias keeps the stack's original heads
             current = self.bias_heads if self.bias_heads is not None else torch.arange(self.n_heads)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import torch
 from torch import nn
@@ -46,6 +45,7 @@ def build_model(
         activation_dropout=cfg.activation_dropout, head_dropout=cfg.head_dropout,
         ffn=cfg.ffn, norm=cfg.norm,
         norm_eps=cfg.norm_eps, norm_position=cfg.norm_position, backend=cfg.attention_backend,
+        memory_tokens=cfg.memory_tokens,
     )
 
     def final_norm():
@@ -147,14 +147,7 @@ def init_fairseq_(model: nn.Module, d_model: int) -> None:
       new module's weights are never left at torch's defaults by a name this function misses.
     """
     for module in model.modules():
-        if isinstance(module, MultiHeadAttention):
-            for proj in (module.q_proj, module.k_proj, module.v_proj):
-                nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
-            nn.init.xavier_uniform_(module.out_proj.weight)
-            for proj in (module.q_proj, module.k_proj, module.v_proj, module.out_proj):
-                if proj.bias is not None:
-                    nn.init.zeros_(proj.bias)
-        elif hasattr(module, "init_fairseq_"):  # FFNs, positions: modules that initialise themselves
+        if hasattr(module, "init_fairseq_"):  # attention, FFNs, positions: modules that initialise themselves
             module.init_fairseq_()
         elif isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
             module.reset_parameters()  # weight 1, bias 0

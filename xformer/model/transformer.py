@@ -32,12 +32,12 @@ class EncoderLayer(nn.Module):
         self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
         dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
         head_dropout: float = 0.0, ffn: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
-        norm_position: str = "post", backend: str = "sdpa",
+        norm_position: str = "post", backend: str = "sdpa", memory_tokens: int = 0,
     ):
         super().__init__()
         self.norm_position = norm_position
         self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
-                                            head_dropout=head_dropout)
+                                            head_dropout=head_dropout, memory_tokens=memory_tokens)
         self.self_attn_norm = NORMS[norm](d_model, norm_eps)
         self.ffn = FFNS[ffn](d_model, d_ff, activation_dropout)
         self.ffn_norm = NORMS[norm](d_model, norm_eps)
@@ -73,12 +73,12 @@ class DecoderLayer(nn.Module):
         self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
         dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
         head_dropout: float = 0.0, ffn: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
-        norm_position: str = "post", backend: str = "sdpa",
+        norm_position: str = "post", backend: str = "sdpa", memory_tokens: int = 0,
     ):
         super().__init__()
         self.norm_position = norm_position
         self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
-                                            head_dropout=head_dropout)
+                                            head_dropout=head_dropout, memory_tokens=memory_tokens)
         self.self_attn_norm = NORMS[norm](d_model, norm_eps)
         self.cross_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
                                             head_dropout=head_dropout)
