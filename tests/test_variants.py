@@ -335,3 +335,24 @@ def test_memory_tokens_decode_incrementally_as_the_full_forward(positional, atte
     assert pruned.encoder.layers[0].self_attn.mem_k.shape[0] == 3  # the slots of the key/value heads left
     with torch.no_grad():
         assert torch.isfinite(pruned(src, tgt)).all()
+
+
+@pytest.mark.parametrize("attention", ["sliding_window", "local_global"])
+@pytest.mark.parametrize("positional", ["rope", "alibi", "relative"])
+def test_a_windowed_decoder_cache_is_a_ring_of_constant_size(attention, positional):
+    """The cache keeps the window - 1 newest keys (and the global ones), yet every step equals
+    the full forward: decoder memory is constant in the number of generated tokens."""
+    torch.manual_seed(0)
+    model = build_model(tiny(positional=positional, **pattern_fields(attention)), V).eval()
+    src = torch.randint(4, V, (2, 6))
+    tgt = torch.stack([torch.randperm(V - 4)[:16] + 4 for _ in range(2)])
+    with torch.no_grad():
+        full = model(src, tgt)
+        memory, pad = model.encode(src)
+        cache, steps, held = model.new_cache(), [], []
+        for i in range(16):
+            steps.append(model.decode(tgt[:, i:i + 1], memory, pad, cache))
+            held.append(cache.layers[0][0].k.size(2))
+    torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
+    bound = PARAMS["window"] + (PARAMS["global_tokens"] if attention == "local_global" else 0)
+    assert max(held) == bound and held[-1] == bound and cache.length == 16

@@ -107,22 +107,60 @@ class KVCache:
 
     Self-attention appends one step at a time; cross-attention fills it once from the
     encoder output and reuses it. `reorder` follows beams as beam search reorders them.
+
+    With `window` (a sliding-window decoder) it is a ring of the last window - 1 positions plus
+    the `keep_first` global ones: before new keys are appended, older ones no query can see
+    again are dropped, so its size stays constant however many tokens are generated.
+    `positions()` gives the absolute position of every key it holds.
     """
 
-    def __init__(self):
+    def __init__(self, window: int | None = None, keep_first: int = 0):
         self.k: Tensor | None = None  # (B, K, S, Dh)
         self.v: Tensor | None = None
+        self.window, self.keep_first = window, keep_first
+        self.seen = 0  # positions appended so far (the absolute position of the next one)
+        self._positions: Tensor | None = None
 
     @property
     def length(self) -> int:
-        return 0 if self.k is None else self.k.size(2)
+        """Positions decoded so far (not the keys held: a windowed cache holds fewer)."""
+        return self.seen
+
+    def positions(self) -> Tensor:
+        """(S,) absolute positions of the keys held, in order."""
+        if self._positions is None or self._positions.numel() != self.k.size(2):
+            self._positions = torch.arange(self.k.size(2), device=self.k.device)
+        return self._positions
+
+    def _kept(self) -> Tensor | None:
+        """Indices of the held keys that the next query (at self.seen) can still see, or None
+        for all of them: with a window, the keep_first global ones and the last window - 1."""
+        if self.window is None or self.k is None:
+            return None
+        old = self.positions()
+        keep = (old < self.keep_first) | (old > self.seen - self.window)
+        return None if bool(keep.all()) else keep.nonzero().squeeze(1)
+
+    def positions_after(self, t: int, device: torch.device | None = None) -> Tensor:
+        """The positions() that appending t keys will leave (what a mask for them is built over)."""
+        new = torch.arange(self.seen, self.seen + t, device=device)
+        if self.k is None:
+            return new
+        kept, old = self._kept(), self.positions()
+        return torch.cat([old if kept is None else old[kept], new.to(old.device)])
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        positions = self.positions_after(k.size(2), k.device)
         if self.k is None:
             self.k, self.v = k, v
         else:
+            kept = self._kept()
+            if kept is not None:  # drop what no query can see again: the ring stays window - 1 long
+                self.k, self.v = self.k.index_select(2, kept), self.v.index_select(2, kept)
             self.k = torch.cat([self.k, k], dim=2)
             self.v = torch.cat([self.v, v], dim=2)
+        self.seen += k.size(2)
+        self._positions = positions
         return self.k, self.v
 
     def reorder(self, index: Tensor) -> None:
@@ -162,7 +200,7 @@ class MultiHeadAttention(nn.Module):
         self.mem_k = nn.Parameter(torch.empty(self.n_kv_heads, memory_tokens, self.head_dim)) if memory_tokens else None
         self.mem_v = nn.Parameter(torch.empty(self.n_kv_heads, memory_tokens, self.head_dim)) if memory_tokens else None
         # Set by build_model from the positional encoding (self-attention only): `rotary` rotates q
-        # and k (ACTS_ON "qk"); `score_bias` adds bias(t, s, offset) (H, T, S) to the scores
+        # and k (ACTS_ON "qk"); `score_bias` adds bias(q_pos, k_pos) (H, T, S) to the scores
         # (ACTS_ON "scores"), shared across the stack, of which `bias_heads` are this module's
         # heads (after pruning). `score_hook` comes from the attention pattern (top-k).
         self.rotary: nn.Module | None = None
@@ -202,7 +240,9 @@ class MultiHeadAttention(nn.Module):
                 k, v = cache.append(k, v)
         bias = None
         if self.score_bias is not None and memory is None:
-            bias = self.score_bias.bias(t, k.size(2), past)  # (H0, T, S) for the stack's original heads
+            q_pos = torch.arange(past, past + t, device=q.device)
+            k_pos = cache.positions() if cache is not None else torch.arange(k.size(2), device=q.device)
+            bias = self.score_bias.bias(q_pos, k_pos)  # (H0, T, S) for the stack's original heads
             if self.bias_heads is not None:
                 bias = bias.index_select(0, self.bias_heads.to(bias.device))
         if self.mem_k is not None:  # M slots in front of the keys: always visible, no bias

@@ -101,15 +101,16 @@ PATTERNS = {
 
 
 def self_attention_mask(pattern: Full, t: int, s: int, offset: int, *, causal: bool, pad: Tensor | None = None,
-                        device: torch.device | None = None) -> Tensor | None:
+                        device: torch.device | None = None, key_positions: Tensor | None = None) -> Tensor | None:
     """The boolean mask (B or 1, 1, T, S) of a self-attention whose T queries sit at positions
-    offset .. offset + T - 1 and whose S keys at 0 .. S - 1: the pattern, causality (keys at or
+    offset .. offset + T - 1 and whose S keys at 0 .. S - 1 (or at `key_positions` (S,), those a
+    windowed KV cache holds): the pattern, causality (keys at or
     before the query) and key padding `pad` (B, S), True at padding. A query always sees
     itself, so no row is empty (a padded query far from real tokens would otherwise see
     nothing under a window, and its NaN would reach real rows through 0 * NaN). None when
     nothing is masked."""
     q = torch.arange(offset, offset + t, device=device)[:, None]
-    k = torch.arange(s, device=device)[None, :]
+    k = (torch.arange(s, device=device) if key_positions is None else key_positions.to(device))[None, :]
     allowed = pattern.allowed(q, k)
     if causal:
         allowed = (k <= q) if allowed is None else allowed & (k <= q)

@@ -5,7 +5,8 @@
                   (sinusoidal, learned)
     "qk"          rotates every self-attention's queries and keys: rotate((B, H, T, Dh), offset)
                   (rope)
-    "scores"      an additive bias on every self-attention's scores: bias(t, s, offset) -> (H, T, S)
+    "scores"      an additive bias on every self-attention's scores: bias(q, k) -> (H, T, S) for
+                  query positions q (T,) and key positions k (S,)
                   (alibi, relative)
     None          no position information at all (none)
 
@@ -137,11 +138,9 @@ class ALiBiBias(nn.Module):
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         return x
 
-    def bias(self, t: int, s: int, offset: int = 0) -> Tensor:
-        """(H, T, S) for queries at offset .. offset + t - 1 and keys at 0 .. s - 1."""
-        q = torch.arange(offset, offset + t, device=self.slopes.device)[:, None]
-        k = torch.arange(s, device=self.slopes.device)[None, :]
-        return -self.slopes[:, None, None] * (q - k).abs()
+    def bias(self, q: Tensor, k: Tensor) -> Tensor:
+        """(H, T, S) for queries at absolute positions q (T,) and keys at k (S,)."""
+        return -self.slopes[:, None, None] * (q[:, None] - k[None, :]).abs()
 
 
 def t5_bucket(relative: Tensor, bidirectional: bool, num_buckets: int = 32, max_distance: int = 128) -> Tensor:
@@ -188,12 +187,10 @@ class T5RelativeBias(nn.Module):
     def forward(self, x: Tensor, offset: int = 0) -> Tensor:
         return x
 
-    def bias(self, t: int, s: int, offset: int = 0) -> Tensor:
-        """(H, T, S) for queries at offset .. offset + t - 1 and keys at 0 .. s - 1."""
-        device = self.embedding.weight.device
-        q = torch.arange(offset, offset + t, device=device)[:, None]
-        k = torch.arange(s, device=device)[None, :]
-        buckets = t5_bucket(k - q, self.bidirectional, self.num_buckets, self.max_distance)  # (T, S)
+    def bias(self, q: Tensor, k: Tensor) -> Tensor:
+        """(H, T, S) for queries at absolute positions q (T,) and keys at k (S,)."""
+        buckets = t5_bucket(k[None, :] - q[:, None], self.bidirectional, self.num_buckets,
+                            self.max_distance)  # (T, S)
         return self.embedding(buckets).permute(2, 0, 1)  # (H, T, S)
 
 

@@ -176,10 +176,11 @@ class Encoder(nn.Module):
 
 
 class DecoderCache:
-    """Per-layer (self, cross) KV caches of a Decoder, for incremental decoding."""
+    """Per-layer (self, cross) KV caches of a Decoder, for incremental decoding; with `window`
+    the self-attention caches are rings of the window (KVCache)."""
 
-    def __init__(self, n_layers: int):
-        self.layers = [(KVCache(), KVCache()) for _ in range(n_layers)]
+    def __init__(self, n_layers: int, window: int | None = None, keep_first: int = 0):
+        self.layers = [(KVCache(window, keep_first), KVCache()) for _ in range(n_layers)]
 
     @property
     def length(self) -> int:
@@ -216,8 +217,11 @@ class Decoder(nn.Module):
         past = 0 if cache is None else cache.length
         t = tokens.size(1)
         x = self.embed(tokens, offset=past)
-        if self.pattern.QUERY_DEPENDENT:  # the pattern's causal mask over every key so far
-            self_mask = self_attention_mask(self.pattern, t, past + t, past, causal=True, device=tokens.device)
+        if self.pattern.QUERY_DEPENDENT:  # the pattern's causal mask over the keys the caches will hold
+            keys = None if cache is None else cache.layers[0][0].positions_after(t, tokens.device)
+            s = past + t if keys is None else keys.numel()
+            self_mask = self_attention_mask(self.pattern, t, s, past, causal=True, device=tokens.device,
+                                            key_positions=keys)
             is_causal = False
         elif past == 0:
             self_mask, is_causal = None, True
@@ -253,7 +257,9 @@ class Seq2Seq(nn.Module):
         return self.output(self.decoder(tgt, memory, memory_pad, cache))
 
     def new_cache(self) -> DecoderCache:
-        return DecoderCache(len(self.decoder.layers))
+        """Caches for incremental decoding; a windowed decoder's hold only what its window sees."""
+        window = getattr(self.decoder.pattern, "window", None)
+        return DecoderCache(len(self.decoder.layers), window, getattr(self.decoder.pattern, "global_tokens", 0))
 
     def forward(self, src: Tensor, tgt: Tensor, keep: Tensor | None = None) -> Tensor:
         """src: (B, S), tgt: (B, T) decoder input (BOS + target[:-1]) -> logits (B, T, V).
