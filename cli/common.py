@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from typer.core import TyperArgument, TyperCommand
 
 try:  # typer >= 0.17 carries its own copy of click, whose context stack the commands run in
     from typer._click.globals import get_current_context
@@ -23,11 +24,24 @@ from rich.console import Console
 from xformer import config
 from xformer.errors import XformerError
 from xformer.heads.analyse import ABLATIONS, IMPORTANCE_METRICS, PRUNE_ORDERS
+from xformer.model.patterns import PATTERNS
 
 console = Console(stderr=True)  # progress, messages and warnings
 stdout = Console()  # results: tables and lines a user may pipe
 
 _PATH_ERRORS = {errno.ENOTDIR, errno.EEXIST, errno.EISDIR, errno.EACCES, errno.ENOENT, errno.EROFS}
+
+
+class Command(TyperCommand):
+    """Usage lines as `xformer eval [OPTIONS] RUN` (typer writes a required argument {run})."""
+
+    def collect_usage_pieces(self, ctx) -> list[str]:
+        pieces = [self.options_metavar] if self.options_metavar else []
+        for param in self.get_params(ctx):
+            if isinstance(param, TyperArgument):
+                name = (param.metavar or param.name).upper()
+                pieces.append(name if param.required else f"[{name}]")
+        return pieces
 
 
 def choices(name: str, values: Iterable[str]) -> type[Enum]:
@@ -40,6 +54,8 @@ Importance = choices("Importance", IMPORTANCE_METRICS)
 Ablation = choices("Ablation", ABLATIONS)
 PruneOrder = choices("PruneOrder", PRUNE_ORDERS)
 Side = choices("Side", ("source", "target"))
+Pattern = choices("Pattern", PATTERNS)
+Backend = choices("Backend", typing.get_args(config.AttentionBackend))
 
 # Options several commands take, spelled once.
 SetOption = Annotated[list[str], typer.Option(

@@ -5,29 +5,17 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
-from typer.core import TyperArgument, TyperCommand
 
 import xformer
 from xformer_cli.average import average
+from xformer_cli.bench import bench_app
 from xformer_cli.check import check
+from xformer_cli.common import Command
 from xformer_cli.evaluate import evaluate, translate
 from xformer_cli.heads import inspect_heads_command
 from xformer_cli.longrange import longrange
 from xformer_cli.tokenizing import tokenize
 from xformer_cli.train import train
-
-
-class Command(TyperCommand):
-    """Usage lines as `xformer eval [OPTIONS] RUN` (typer writes a required argument {run})."""
-
-    def collect_usage_pieces(self, ctx) -> list[str]:
-        pieces = [self.options_metavar] if self.options_metavar else []
-        for param in self.get_params(ctx):
-            if isinstance(param, TyperArgument):
-                name = (param.metavar or param.name).upper()
-                pieces.append(name if param.required else f"[{name}]")
-        return pieces
-
 
 # rich_markup_mode=None: help strings are plain text, so "[default: runs/<name>]" and "[data]"
 # print as written instead of being taken for rich markup tags and dropped.
@@ -69,3 +57,4 @@ app.command("translate", cls=Command)(translate)
 app.command("longrange", cls=Command)(longrange)
 app.command("inspect-heads", cls=Command)(inspect_heads_command)
 app.command("average", cls=Command)(average)
+app.add_typer(bench_app, name="bench")

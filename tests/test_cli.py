@@ -20,13 +20,18 @@ def test_every_command_in_help_answers_its_own_help_with_a_usage_naming_its_argu
     registered = {name: command for name, command in typer.main.get_command(app).commands.items()
                   if not command.hidden}
     assert set(described) == set(registered)  # every command listed, nothing listed that is not one
-    for name, command in registered.items():
+    commands = [([name], command) for name, command in registered.items()]
+    for name, command in registered.items():  # a group's commands too (xformer bench attention)
+        commands += [([name, sub], c) for sub, c in getattr(command, "commands", {}).items()]
+    for words, command in commands:
         arguments = [p.name.upper() if p.required else f"[{p.name.upper()}]"
                      for p in command.params if p.param_type_name == "argument"]
-        result = runner.invoke(app, [name, "--help"], terminal_width=100)
-        assert result.exit_code == 0, (name, result.output)
-        assert result.stdout.splitlines()[0] == " ".join(["Usage: xformer", name, "[OPTIONS]", *arguments])
-        assert described[name].strip(), f"{name} has no summary in --help"
+        if hasattr(command, "commands"):
+            arguments = ["COMMAND", "[ARGS]..."]
+        result = runner.invoke(app, [*words, "--help"], terminal_width=100)
+        assert result.exit_code == 0, (words, result.output)
+        assert result.stdout.splitlines()[0] == " ".join(["Usage: xformer", *words, "[OPTIONS]", *arguments])
+    assert all(summary.strip() for summary in described.values()), "a command has no summary in --help"
 
 
 def test_check_prints_config_and_parameters():

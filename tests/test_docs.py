@@ -18,7 +18,9 @@ FORBIDDEN = [
     re.compile("iss" + r"ue\s*#?\d+", re.IGNORECASE),  # a tracker number: say what it is about
     re.compile("the main " + "job", re.IGNORECASE),  # say what the command does
 ]
-COMMANDS = [command.name for command in app.registered_commands]  # every command the CLI has
+COMMANDS = ([command.name for command in app.registered_commands]  # every command the CLI has
+            + [f"{group.name} {command.name}" for group in app.registered_groups
+               for command in group.typer_instance.registered_commands])
 
 
 def scanned_files() -> list[Path]:
@@ -46,7 +48,7 @@ def test_no_session_issue_or_main_job_mentions():
 def readme_sections() -> dict[str, str]:
     """README's `### `xformer NAME`` sections, by command name."""
     text = (ROOT / "README.md").read_text(encoding="utf-8")
-    parts = re.split(r"^### `xformer ([a-z-]+)`[^\n]*$", text, flags=re.MULTILINE)
+    parts = re.split(r"^### `xformer ([a-z-]+(?: [a-z-]+)?)`[^\n]*$", text, flags=re.MULTILINE)
     return {name: body.split("\n## ", 1)[0] for name, body in zip(parts[1::2], parts[2::2], strict=True)}
 
 

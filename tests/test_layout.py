@@ -17,7 +17,7 @@ LAYERS = [
      "xformer.rundir", "xformer.decode", "xformer.instrument"],
     ["xformer.tasks"],
     ["xformer.recipe_io", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
-     "xformer.tokenizing", "xformer.check"],
+     "xformer.tokenizing", "xformer.check", "xformer.bench"],
     ["xformer"],  # the package's __init__: the library's front door
 ]
 

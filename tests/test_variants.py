@@ -12,6 +12,7 @@ from reference import naive_alibi_slopes, naive_allowed, naive_biased_attention,
 
 from xformer import config
 from xformer.config import ModelConfig
+from xformer.errors import RecipeError
 from xformer.model.attention import explicit_attention, sdpa_attention
 from xformer.model.build import build_model, init_fairseq_
 from xformer.model.feedforward import FFNS
@@ -21,7 +22,7 @@ from xformer.recipe_io import recipe_from_dict
 from xformer.strict import section_to_dict
 
 V = 23
-PARAMS = {"window": 3, "global_tokens": 2, "stride": 3, "topk": 4}
+PARAMS = {"window": 3, "global_tokens": 2, "stride": 3, "topk": 4, "rank": 4}
 
 
 def tiny(**changes) -> ModelConfig:
@@ -32,7 +33,7 @@ def tiny(**changes) -> ModelConfig:
 
 def pattern_fields(name: str) -> dict:
     wanted = {"sliding_window": ("window",), "local_global": ("window", "global_tokens"), "strided": ("stride",),
-              "topk": ("topk",)}.get(name, ())
+              "topk": ("topk",), "low_rank": ("rank",)}.get(name, ())
     return {"attention": name, **{k: PARAMS[k] for k in wanted}}
 
 
@@ -152,7 +153,9 @@ def test_a_zero_score_bias_is_no_positions_at_all(positional):
 # ---------------------------------------------------------------- the KV cache, causality, padding
 
 
-AXES = [(p, a) for p in typing.get_args(config.Positional) for a in typing.get_args(config.AttentionPattern)]
+DECODER_PATTERNS = [a for a in typing.get_args(config.AttentionPattern) if a != "low_rank"]  # encoders only
+AXES = [(p, a) for p in typing.get_args(config.Positional) for a in DECODER_PATTERNS]
+CLASSIFIER_AXES = AXES + [(p, "low_rank") for p in ("sinusoidal", "learned", "rope", "none")]
 
 
 @pytest.mark.parametrize("positional,attention", AXES)
@@ -201,6 +204,10 @@ def test_every_axis_value_loads_builds_initialises_and_trains(axis, value, arch)
     pooling = {"pooling": "cls"} if arch == "classifier" else {}
     model_table = section_to_dict(tiny(arch=arch, **pooling, **fields))  # what a saved recipe holds
     data = {"max_len": 32} if arch == "seq2seq" else {"task": "recall", "max_len": 32, "n_pairs": 2, "n_queries": 1}
+    if arch == "seq2seq" and value == "low_rank":
+        with pytest.raises(RecipeError, match="'low_rank' mixes keys along the sequence"):
+            recipe_from_dict({"model": model_table, "data": data, "train": {"max_steps": 1}})
+        return
     recipe = recipe_from_dict({"model": model_table, "data": data, "train": {"max_steps": 1}})
     sizes = {"tgt_vocab_size": V} if arch == "seq2seq" else {"n_classes": 3}
     model = build_model(recipe.model, V, **sizes)
@@ -271,7 +278,7 @@ def test_head_capture_sees_the_pattern_and_pruning_keeps_the_bias_heads():
     assert not torch.allclose(gated, before)
 
 
-@pytest.mark.parametrize("positional,attention", AXES)
+@pytest.mark.parametrize("positional,attention", CLASSIFIER_AXES)
 @pytest.mark.parametrize("pooling", ["cls", "last"])
 def test_a_pooled_classifier_reads_what_the_full_encoder_computes(positional, attention, pooling):
     """The one-row last layer is a fast path: wherever a variant makes a query's result depend on
@@ -356,3 +363,36 @@ def test_a_windowed_decoder_cache_is_a_ring_of_constant_size(attention, position
     torch.testing.assert_close(torch.cat(steps, dim=1), full, atol=1e-5, rtol=1e-4)
     bound = PARAMS["window"] + (PARAMS["global_tokens"] if attention == "local_global" else 0)
     assert max(held) == bound and held[-1] == bound and cache.length == 16
+
+
+
+# ---------------------------------------------------------------- low rank (Linformer)
+
+
+def test_low_rank_with_identity_projections_is_dense_attention():
+    torch.manual_seed(0)
+    n = 9
+    dense = build_model(tiny(arch="classifier", pooling="mean", max_positions=n + 1), V, n_classes=3).eval()
+    cfg = tiny(arch="classifier", pooling="mean", max_positions=n + 1, attention="low_rank", rank=n)
+    low = same_weights(dense, build_model(cfg, V, n_classes=3)).eval()
+    with torch.no_grad():
+        for layer in low.encoder.layers:
+            layer.self_attn.key_projection.e.copy_(torch.eye(n, n + 1))
+            layer.self_attn.key_projection.f.copy_(torch.eye(n, n + 1))
+    tokens = torch.randint(4, V, (2, n))
+    with torch.no_grad():
+        torch.testing.assert_close(low(tokens), dense(tokens))
+
+
+def test_low_rank_keys_are_mixtures_of_the_real_keys_only():
+    torch.manual_seed(0)
+    model = build_model(tiny(arch="classifier", pooling="mean", attention="low_rank", rank=4), V, n_classes=3).eval()
+    tokens = torch.randint(4, V, (1, 7))
+    with torch.no_grad():
+        base = model(tokens)
+        padded = model(torch.cat([tokens, torch.zeros(1, 5, dtype=torch.long)], dim=1))
+    torch.testing.assert_close(padded, base)  # padding is zeroed before E and F see it
+    with pytest.raises(RecipeError, match="'alibi' biases scores by key position"):
+        recipe_from_dict({"model": {"arch": "classifier", "attention": "low_rank", "positional": "alibi"},
+                          "data": {"task": "recall", "max_len": 32, "n_pairs": 2, "n_queries": 1},
+                          "train": {"max_steps": 1}})

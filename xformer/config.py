@@ -36,7 +36,7 @@ Positional = Literal["sinusoidal", "learned", "rope", "alibi", "relative", "none
 NormPosition = Literal["post", "pre"]
 Norm = Literal["layernorm", "rmsnorm"]
 FFN = Literal["relu", "gelu", "swiglu", "geglu"]
-AttentionPattern = Literal["full", "sliding_window", "local_global", "strided", "topk"]
+AttentionPattern = Literal["full", "sliding_window", "local_global", "strided", "topk", "low_rank"]
 AttentionBackend = Literal["sdpa", "explicit"]
 TieEmbeddings = Literal["none", "decoder", "all"]
 # "cls", "mean" and "last" for the Transformer classifier; "last", "mean" and "max" for the LSTM
@@ -85,12 +85,16 @@ class ModelConfig:
     # which keys a query sees (model/patterns.py): full; sliding_window (|q - k| < window);
     # local_global (a window plus the first global_tokens positions, seen by and seeing all);
     # strided (|q - k| < stride or a multiple of stride, Child et al. 2019); topk (the topk
-    # largest scores per query; always computed on the explicit path, whatever the backend)
+    # largest scores per query; always computed on the explicit path, whatever the backend);
+    # low_rank (below)
     attention: AttentionPattern = field(default="full", metadata=only_when("arch", "seq2seq", "classifier"))
     window: int = field(default=128, metadata=only_when("attention", "sliding_window", "local_global"))
     global_tokens: int = field(default=1, metadata=only_when("attention", "local_global"))
     stride: int = field(default=32, metadata=only_when("attention", "strided"))
     topk: int = field(default=32, metadata=only_when("attention", "topk"))
+    # low_rank (Linformer, Wang et al. 2020): keys and values projected along the sequence to
+    # `rank` learned mixtures; encoders and classifiers only
+    rank: int = field(default=64, metadata=only_when("attention", "low_rank"))
     # learned key/value slots every self-attention query may attend to, ahead of the sequence's
     # keys (memory-augmented attention; x-transformers' num_mem_kv); 0: none
     memory_tokens: int = field(default=0, metadata=only_when("arch", "seq2seq", "classifier"))
@@ -156,6 +160,14 @@ class ModelConfig:
         if self.attention == "topk":
             out += positive(self, "topk")
         out += non_negative(self, "memory_tokens")
+        if self.attention == "low_rank":
+            out += positive(self, "rank")
+            if self.arch == "seq2seq":
+                out.append("model.attention: 'low_rank' mixes keys along the sequence, which a causal decoder "
+                           "cannot do (a query would see the future); use it with model.arch = 'classifier'")
+            if self.positional in ("alibi", "relative"):
+                out.append(f"model.positional: {self.positional!r} biases scores by key position, and a "
+                           "low_rank key is a mixture of positions; use sinusoidal, learned, rope or none")
         if self.positional == "rope" and self.n_heads > 0 and self.d_model % self.n_heads == 0 and self.head_dim % 2:
             out.append(
                 f"model.d_model: rotary positions need an even head dimension (d_model / n_heads), "

@@ -113,6 +113,10 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
         raise RunError(f"{run_dir}: model.memory_tokens = {recipe.model.memory_tokens}: the memory slots are "
                        "learned vectors, not tokens of the input, so head roles and maps over them mean nothing; "
                        "inspect-heads analyses models without memory tokens")
+    if recipe.model.arch != "lstm" and recipe.model.attention == "low_rank":
+        raise RunError(f"{run_dir}: model.attention = 'low_rank': its heads attend to learned mixtures of the "
+                       "tokens, not to tokens, so head roles and maps over them mean nothing; inspect-heads "
+                       "analyses models that attend to tokens")
     checkpoint = checkpoint or recipe.eval.checkpoint
     subject = make_task(recipe).subject(run_dir, split=split, data=data, n_examples=config.n_examples,
                                         checkpoint=checkpoint, device=config.device)

@@ -207,6 +207,9 @@ class MultiHeadAttention(nn.Module):
         self.score_bias: nn.Module | None = None
         self.bias_heads: Tensor | None = None
         self.score_hook: Callable[[Tensor], Tensor] | None = None
+        # Set by build_model for the low_rank pattern: projects keys and values along the sequence
+        # (model/lowrank.py); the projected keys are mixtures, so no key mask applies after it.
+        self.key_projection: nn.Module | None = None
         # Head inspection (xformer/heads): a (H,) multiplier on each head's output before out_proj
         # (0 ablates a head; a leaf with requires_grad gives Michel et al.'s gate gradient), with
         # head_fill (H, Dh) what a gated-off head outputs instead of 0 (its mean: mean-ablation),
@@ -238,6 +241,9 @@ class MultiHeadAttention(nn.Module):
                 q, k = self.rotary.rotate(q, past), self.rotary.rotate(k, past)
             if cache is not None:
                 k, v = cache.append(k, v)
+        if self.key_projection is not None:  # (B, K, S, Dh) -> (B, K, rank, Dh), padding zeroed first
+            k, v = self.key_projection(k, v, mask)
+            mask = None
         bias = None
         if self.score_bias is not None and memory is None:
             q_pos = torch.arange(past, past + t, device=q.device)

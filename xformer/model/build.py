@@ -9,6 +9,7 @@ from torch import nn
 
 from xformer.config import ModelConfig
 from xformer.model.attention import MultiHeadAttention
+from xformer.model.lowrank import LowRankProjection
 from xformer.model.lstm import LSTMClassifier, match_hidden
 from xformer.model.norms import NORMS
 from xformer.model.patterns import make_pattern
@@ -76,10 +77,12 @@ def build_model(
             elif position.ACTS_ON == "scores":
                 layer.self_attn.score_bias = position
             layer.self_attn.score_hook = pattern.score_hook
+            if pattern.PROJECTS_KEYS:  # each layer its own E and F
+                layer.self_attn.key_projection = LowRankProjection(cfg.rank, cfg.max_positions)
         return stack
 
     pattern = make_pattern(cfg.attention, window=cfg.window, global_tokens=cfg.global_tokens, stride=cfg.stride,
-                           topk=cfg.topk)
+                           topk=cfg.topk, rank=cfg.rank)
     src_embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
     encoder_layers = [EncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
                       for _ in range(cfg.n_encoder_layers)]

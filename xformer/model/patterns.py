@@ -17,6 +17,8 @@ attention a `score_hook`, which only the explicit path runs (MultiHeadAttention 
                     (the 1-D form of axial attention)
     topk            the `topk` largest scores of each query (Zhao et al. 2019, explicit sparse
                     attention, arXiv:1912.11637), the rest set to -inf before the softmax
+    low_rank        `rank` learned mixtures of the keys and values (Linformer, Wang et al. 2020,
+                    arXiv:2006.04768; model/lowrank.py); encoders only
 
 QUERY_DEPENDENT says whether a query's visible keys depend on where the query is (so the
 pattern needs a mask); fast paths that compute a subset of query rows (the classifier's pooled
@@ -33,6 +35,7 @@ from torch import Tensor
 
 class Full:
     QUERY_DEPENDENT = False
+    PROJECTS_KEYS = False  # whether attention sees projections of the keys instead of the keys (low_rank)
     score_hook: Callable[[Tensor], Tensor] | None = None
 
     def allowed(self, q: Tensor, k: Tensor) -> Tensor | None:
@@ -85,9 +88,21 @@ class TopK(Full):
         return scores.masked_fill(scores < kth, float("-inf"))
 
 
-def make_pattern(name: str, *, window: int = 0, global_tokens: int = 0, stride: int = 0, topk: int = 0) -> Full:
+class LowRank(Full):
+    """Every query sees `rank` learned mixtures of the keys (Linformer, model/lowrank.py): no
+    token mask applies after the projection, so the pattern itself allows everything; the
+    attention module's key_projection does the work."""
+
+    PROJECTS_KEYS = True
+
+    def __init__(self, rank: int):
+        self.rank = rank
+
+
+def make_pattern(name: str, *, window: int = 0, global_tokens: int = 0, stride: int = 0, topk: int = 0,
+                 rank: int = 0) -> Full:
     """The pattern object of `model.attention` = name with its parameters."""
-    return PATTERNS[name](window=window, global_tokens=global_tokens, stride=stride, topk=topk)
+    return PATTERNS[name](window=window, global_tokens=global_tokens, stride=stride, topk=topk, rank=rank)
 
 
 # One entry per `model.attention` value: the pattern's parameters -> a pattern object.
@@ -97,6 +112,7 @@ PATTERNS = {
     "local_global": lambda window, global_tokens, **_: LocalGlobal(window, global_tokens),
     "strided": lambda stride, **_: Strided(stride),
     "topk": lambda topk, **_: TopK(topk),
+    "low_rank": lambda rank, **_: LowRank(rank),
 }
 
 

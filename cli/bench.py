@@ -1,0 +1,77 @@
+"""xformer bench: benchmarks that compare xformer's own options in one run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from xformer.bench import AttentionBench, AttentionBenchConfig, bench_attention
+from xformer.files import atomic_write_text
+from xformer_cli.common import Backend, Command, DeviceOption, JsonOption, Pattern, console, stdout, user_errors
+
+bench_app = typer.Typer(help="Benchmarks measured in one run, each figure with a baseline from the same run.",
+                        no_args_is_help=True, rich_markup_mode=None)
+
+
+@bench_app.command("attention", cls=Command)
+@user_errors
+def attention(
+    lengths: Annotated[list[int], typer.Option("--length", metavar="N", help="Sequence lengths (repeatable) "
+                                                                            "[default: 512 1024 2048 4096].")
+                       ] = [],  # noqa: B006
+    patterns: Annotated[list[Pattern], typer.Option("--pattern", help="Patterns (repeatable) [default: all].")
+                        ] = [],  # noqa: B006
+    backends: Annotated[list[Backend], typer.Option("--backend", help="Backends (repeatable) [default: both].")
+                        ] = [],  # noqa: B006
+    d_model: Annotated[int, typer.Option("--d-model", min=8, help="Width of the layer.")] = 256,
+    n_heads: Annotated[int, typer.Option("--heads", min=1, help="Attention heads.")] = 4,
+    window: Annotated[int, typer.Option("--window", min=1, help="sliding_window / local_global window.")] = 256,
+    repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats per cell (median).")] = 3,
+    max_seconds: Annotated[float, typer.Option("--max-seconds", help="Stop a series after a cell this "
+                                                                     "slow.")] = 30.0,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    device: DeviceOption = "auto",
+    as_json: JsonOption = False,
+) -> None:
+    """Time one self-attention layer, forward + backward, per pattern and backend across lengths:
+    seconds and peak memory, ratios to full attention, fitted growth exponents."""
+    config = AttentionBenchConfig(device=device, d_model=d_model, n_heads=n_heads, window=window, repeats=repeats,
+                                  max_seconds=max_seconds)
+    config.lengths = lengths or config.lengths
+    config.patterns = [p.value for p in patterns] or config.patterns
+    config.backends = [b.value for b in backends] or config.backends
+
+    def on_event(kind: str, cell: dict) -> None:
+        done = f"{cell['seconds']:.3f} s" if "seconds" in cell else f"skipped: {cell['skipped']}"
+        console.print(f"[dim]{cell['pattern']:>14} {cell['backend']:>8} n={cell['length']:<6} {done}[/dim]")
+
+    result = bench_attention(config, on_event=on_event)
+    if out is not None:
+        atomic_write_text(out, result.to_json())
+    if as_json:
+        typer.echo(result.to_json(indent=None))
+        return
+    stdout.print(bench_table(result))
+
+
+def bench_table(result: AttentionBench) -> Table:
+    table = Table(title=f"self-attention forward + backward on {result.device} (median of "
+                        f"{result.config['repeats']})", header_style="bold")
+    for column in ("pattern", "backend", "length", "seconds", "vs full", "peak MB", "vs full "):
+        table.add_column(column, justify="left" if column in ("pattern", "backend") else "right")
+    for c in result.cells:
+        if "seconds" not in c:
+            table.add_row(c["pattern"], c["backend"], str(c["length"]), "skipped", "", "", "")
+            continue
+        ratio = c.get("time_vs_full")
+        memory = c.get("memory_vs_full")
+        table.add_row(c["pattern"], c["backend"], str(c["length"]), f"{c['seconds']:.3f}",
+                      f"{ratio:.2f}x" if ratio is not None else "", f"{c['peak_mb']:.0f}",
+                      f"{memory:.2f}x" if memory is not None else "")
+    fitted = ", ".join(f"{e['pattern']}/{e['backend']} n^{e['time_exponent']:.2f}"
+                       for e in result.exponents if e["time_exponent"] is not None)
+    table.caption = f"time exponents: {fitted}"
+    return table

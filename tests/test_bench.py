@@ -1,0 +1,52 @@
+"""xformer bench attention: every cell measured or said to be skipped, ratios against full
+attention from the same run, growth exponents fitted from the cells."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from xformer.bench import AttentionBenchConfig, _slope, bench_attention
+from xformer_cli.main import app
+
+
+def test_every_pattern_and_backend_gets_its_cells_and_full_is_the_baseline():
+    config = AttentionBenchConfig(lengths=[16, 32], d_model=16, n_heads=2, window=4, stride=4, topk=4, repeats=1,
+                                  device="cpu")
+    result = bench_attention(config)
+    assert {(c["pattern"], c["backend"]) for c in result.cells} == {(p, b) for p in config.patterns
+                                                                     for b in config.backends}
+    for c in result.cells:
+        assert c["seconds_min"] <= c["seconds"] <= c["seconds_max"]
+        if c["pattern"] == "full":
+            assert c["time_vs_full"] == 1.0
+    assert len(result.exponents) == len(config.patterns) * len(config.backends)
+
+
+def test_a_cell_too_large_or_after_a_slow_one_is_skipped_not_run():
+    config = AttentionBenchConfig(lengths=[16, 32, 64], patterns=["full"], backends=["explicit"], d_model=16,
+                                  n_heads=2, repeats=1, device="cpu", memory_limit_mb=32 * 32 * 2 * 4 * 4 / 2**20)
+    cells = bench_attention(config).cells
+    assert "seconds" in cells[0] and "seconds" in cells[1] and "needs ~" in cells[2]["skipped"]
+    config.memory_limit_mb, config.max_seconds = 1e6, 0.0  # every cell "too slow": only the first runs
+    cells = bench_attention(config).cells
+    assert "seconds" in cells[0] and all("skipped" in c for c in cells[1:])
+
+
+def test_the_fitted_exponent_is_the_log_log_slope():
+    cells = [{"length": n, "seconds": 3.0 * n**1.5} for n in (64, 128, 256)]
+    assert _slope(cells, "seconds") == pytest.approx(1.5)
+    assert _slope(cells[:1], "seconds") is None
+
+
+def test_the_command_prints_a_table_and_writes_json(tmp_path):
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(app, ["bench", "attention", "--length", "16", "--length", "32", "--pattern", "full",
+                                      "--pattern", "strided", "--backend", "sdpa", "--d-model", "16", "--heads", "2",
+                                      "--repeats", "1", "--device", "cpu", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "vs full" in result.stdout
+    saved = json.loads(out.read_text())
+    assert [c["pattern"] for c in saved["cells"]] == ["full", "full", "strided", "strided"]
+    refused = CliRunner().invoke(app, ["bench", "attention", "--pattern", "dense"])
+    assert refused.exit_code == 2 and "'dense' is not one of" in refused.output

@@ -1,0 +1,143 @@
+"""Benchmarks that compare xformer's own options in one run: `bench_attention` times one
+self-attention layer, forward and backward, for every attention pattern and backend across
+sequence lengths, with peak memory, the ratio to full attention measured in the same run, and
+the fitted growth exponents (time ~ n^a, memory ~ n^b).
+
+Every figure is a median over `repeats` with its min and max. A cell whose estimated memory
+exceeds `memory_limit_mb`, or that follows a cell of the same series slower than
+`max_seconds`, is skipped and recorded as skipped, so a long sweep never swaps or hangs.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from xformer.events import Event, ignore
+from xformer.instrument import PeakMemory
+from xformer.model.attention import MultiHeadAttention
+from xformer.model.patterns import PATTERNS, make_pattern, self_attention_mask
+from xformer.results import Result
+from xformer.runtime import resolve_runtime
+
+
+@dataclass
+class AttentionBenchConfig:
+    """What `bench_attention` measures: one self-attention layer of d_model and n_heads on a
+    batch of `batch` sequences of each length, forward + backward."""
+
+    lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096])
+    patterns: list[str] = field(default_factory=lambda: list(PATTERNS))
+    backends: list[str] = field(default_factory=lambda: ["sdpa", "explicit"])
+    d_model: int = 256
+    n_heads: int = 4
+    batch: int = 1
+    window: int = 256
+    global_tokens: int = 1
+    stride: int = 64
+    topk: int = 32
+    repeats: int = 3
+    device: str = "auto"
+    max_seconds: float = 30.0  # a series stops growing after a cell this slow
+    memory_limit_mb: float = 8192.0  # skip a cell whose score matrices would need more
+
+
+@dataclass
+class AttentionBench(Result):
+    """Per (pattern, backend, length): seconds and peak MB (median, min, max) and ratios to full
+    attention on the same backend; per (pattern, backend): the fitted exponents."""
+
+    device: str
+    config: dict
+    cells: list[dict]
+    exponents: list[dict]
+
+
+def bench_attention(config: AttentionBenchConfig | None = None, *, on_event: Event | None = None) -> AttentionBench:
+    """Measure every (pattern, backend, length) cell; events: "cell" (a finished cell)."""
+    config = config or AttentionBenchConfig()
+    emit = on_event or ignore
+    rt = resolve_runtime(config.device, "fp32", training=False)
+    cells = []
+    for pattern_name in config.patterns:
+        pattern = make_pattern(pattern_name, window=config.window, global_tokens=config.global_tokens,
+                               stride=config.stride, topk=config.topk)
+        for backend in config.backends:
+            too_slow = False
+            for n in config.lengths:
+                cell = {"pattern": pattern_name, "backend": backend, "length": n}
+                needed = _score_bytes(config, n, backend, pattern) / 2**20
+                if too_slow or needed > config.memory_limit_mb:
+                    cell["skipped"] = ("a shorter length took more than max_seconds" if too_slow else
+                                       f"needs ~{needed:,.0f} MB of scores, more than memory_limit_mb")
+                else:
+                    cell.update(_measure(config, pattern, backend, n, rt.device))
+                    too_slow = cell["seconds"] > config.max_seconds
+                cells.append(cell)
+                emit("cell", cell)
+    _add_ratios(cells)
+    exponents = [_exponents(cells, p, b) for p in config.patterns for b in config.backends]
+    return AttentionBench(device=str(rt.device), config=vars(config), cells=cells, exponents=exponents)
+
+
+def _measure(config: AttentionBenchConfig, pattern, backend: str, n: int, device: torch.device) -> dict:
+    torch.manual_seed(0)
+    attention = MultiHeadAttention(config.d_model, config.n_heads, backend=backend).to(device)
+    attention.score_hook = pattern.score_hook
+    x = torch.randn(config.batch, n, config.d_model, device=device, requires_grad=True)
+    seconds, memory = [], []
+    for _ in range(config.repeats + 1):  # the first is a warm-up
+        with PeakMemory(device) as peak:
+            started = time.perf_counter()
+            mask = self_attention_mask(pattern, n, n, 0, causal=False, device=device) if pattern.QUERY_DEPENDENT \
+                else None
+            out, _ = attention(x, mask=mask)
+            out.sum().backward()
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            elapsed = time.perf_counter() - started
+        seconds.append(elapsed)
+        memory.append(peak.peak_mb)
+        x.grad = None
+        attention.zero_grad(set_to_none=True)
+    seconds, memory = seconds[1:], memory[1:]
+    return {"seconds": statistics.median(seconds), "seconds_min": min(seconds), "seconds_max": max(seconds),
+            "peak_mb": statistics.median(memory), "peak_mb_min": min(memory), "peak_mb_max": max(memory)}
+
+
+def _score_bytes(config: AttentionBenchConfig, n: int, backend: str, pattern) -> float:
+    """What the (B, H, n, n) score matrices of one forward + backward need, roughly: the
+    explicit path keeps scores, probabilities and their gradients; SDPA about one such matrix
+    when it falls back to its math kernel (a mask or a hook); a mask adds n^2 bytes."""
+    matrices = 4 if backend == "explicit" or pattern.score_hook is not None else 1
+    return config.batch * config.n_heads * n * n * 4 * matrices + (n * n if pattern.QUERY_DEPENDENT else 0)
+
+
+def _add_ratios(cells: list[dict]) -> None:
+    full = {(c["backend"], c["length"]): c for c in cells if c["pattern"] == "full" and "seconds" in c}
+    for c in cells:
+        base = full.get((c["backend"], c["length"]))
+        if base is not None and "seconds" in c:
+            c["time_vs_full"] = c["seconds"] / base["seconds"]
+            c["memory_vs_full"] = c["peak_mb"] / base["peak_mb"] if base["peak_mb"] > 0 else None
+
+
+def _exponents(cells: list[dict], pattern: str, backend: str) -> dict:
+    """Least-squares slopes of log time and log memory against log length (None under 2 points)."""
+    mine = [c for c in cells if c["pattern"] == pattern and c["backend"] == backend and "seconds" in c]
+    return {"pattern": pattern, "backend": backend, "time_exponent": _slope(mine, "seconds"),
+            "memory_exponent": _slope([c for c in mine if c["peak_mb"] > 0], "peak_mb")}
+
+
+def _slope(cells: list[dict], key: str) -> float | None:
+    if len(cells) < 2:
+        return None
+    xs = [math.log(c["length"]) for c in cells]
+    ys = [math.log(c[key]) for c in cells]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    var = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else None
