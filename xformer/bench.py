@@ -20,6 +20,7 @@ import torch
 from xformer.events import Event, ignore
 from xformer.instrument import PeakMemory
 from xformer.model.attention import MultiHeadAttention
+from xformer.model.lowrank import LowRankProjection
 from xformer.model.patterns import PATTERNS, make_pattern, self_attention_mask
 from xformer.results import Result
 from xformer.runtime import resolve_runtime
@@ -40,6 +41,7 @@ class AttentionBenchConfig:
     global_tokens: int = 1
     stride: int = 64
     topk: int = 32
+    rank: int = 64
     repeats: int = 3
     device: str = "auto"
     max_seconds: float = 30.0  # a series stops growing after a cell this slow
@@ -65,7 +67,7 @@ def bench_attention(config: AttentionBenchConfig | None = None, *, on_event: Eve
     cells = []
     for pattern_name in config.patterns:
         pattern = make_pattern(pattern_name, window=config.window, global_tokens=config.global_tokens,
-                               stride=config.stride, topk=config.topk)
+                               stride=config.stride, topk=config.topk, rank=config.rank)
         for backend in config.backends:
             too_slow = False
             for n in config.lengths:
@@ -88,6 +90,8 @@ def _measure(config: AttentionBenchConfig, pattern, backend: str, n: int, device
     torch.manual_seed(0)
     attention = MultiHeadAttention(config.d_model, config.n_heads, backend=backend).to(device)
     attention.score_hook = pattern.score_hook
+    if pattern.PROJECTS_KEYS:
+        attention.key_projection = LowRankProjection(config.rank, n).to(device)
     x = torch.randn(config.batch, n, config.d_model, device=device, requires_grad=True)
     seconds, memory = [], []
     for _ in range(config.repeats + 1):  # the first is a warm-up
@@ -114,7 +118,8 @@ def _score_bytes(config: AttentionBenchConfig, n: int, backend: str, pattern) ->
     explicit path keeps scores, probabilities and their gradients; SDPA about one such matrix
     when it falls back to its math kernel (a mask or a hook); a mask adds n^2 bytes."""
     matrices = 4 if backend == "explicit" or pattern.score_hook is not None else 1
-    return config.batch * config.n_heads * n * n * 4 * matrices + (n * n if pattern.QUERY_DEPENDENT else 0)
+    keys = config.rank if pattern.PROJECTS_KEYS else n
+    return config.batch * config.n_heads * n * keys * 4 * matrices + (n * n if pattern.QUERY_DEPENDENT else 0)
 
 
 def _add_ratios(cells: list[dict]) -> None:
