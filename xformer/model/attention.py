@@ -127,9 +127,9 @@ class KVCache:
         return self.seen
 
     def positions(self) -> Tensor:
-        """(S,) absolute positions of the keys held, in order."""
-        if self._positions is None or self._positions.numel() != self.k.size(2):
-            self._positions = torch.arange(self.k.size(2), device=self.k.device)
+        """(S,) absolute positions of the keys held, in order (0 .. S - 1 without a window)."""
+        if self._positions is None:
+            return torch.arange(self.k.size(2), device=self.k.device)
         return self._positions
 
     def _kept(self) -> Tensor | None:
@@ -150,7 +150,8 @@ class KVCache:
         return torch.cat([old if kept is None else old[kept], new.to(old.device)])
 
     def append(self, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        positions = self.positions_after(k.size(2), k.device)
+        # only a ring needs its positions kept: every other cache holds 0 .. S - 1
+        positions = self.positions_after(k.size(2), k.device) if self.window is not None else None
         if self.k is None:
             self.k, self.v = k, v
         else:

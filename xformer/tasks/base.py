@@ -189,9 +189,9 @@ class Subject:
     keys are, so statistics can ask "is this key a special token, punctuation, the rarest word
     of the sentence?" without knowing the task."""
 
-    KIND: ClassVar[str] = ""
-    METRICS: ClassVar[tuple[str, ...]] = ()  # what heads can be ranked by (loss first)
-    SPECIAL_IDS: ClassVar[frozenset[int]] = frozenset()
+    kind: ClassVar[str] = ""
+    metric_names: ClassVar[tuple[str, ...]] = ()  # what heads can be ranked by (loss first)
+    special_ids: ClassVar[frozenset[int]] = frozenset()
 
     def __init__(self, model, recipe: Recipe, rt: Runtime, batches: list[dict], token_text: dict[str, list[str]],
                  frequency: dict[str, np.ndarray], task: Task | None = None):
@@ -200,18 +200,6 @@ class Subject:
         self.frequency = frequency  # side -> training-corpus count of every id
         self.punct = {side: np.array([_is_punct(t) for t in texts]) for side, texts in token_text.items()}
         self.run_dir: Path | None = None
-
-    @property
-    def kind(self) -> str:
-        return self.KIND
-
-    @property
-    def metric_names(self) -> tuple[str, ...]:
-        return self.METRICS
-
-    @property
-    def special_ids(self) -> frozenset[int]:
-        return self.SPECIAL_IDS
 
     def forward(self, batch: dict) -> torch.Tensor:
         raise NotImplementedError

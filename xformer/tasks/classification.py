@@ -199,8 +199,8 @@ class ClassificationTask(Task):
 class ClassificationSubject(Subject):
     """inspect-heads' view of a Transformer classifier: encoder sites only, CLS marked -2."""
 
-    KIND = "classification"
-    METRICS = ("loss", "accuracy")
+    kind = "classification"
+    metric_names = ("loss", "accuracy")
 
     def __init__(self, model, recipe, rt, encoder, examples, frequency, task=None):
         self.examples = examples

@@ -276,9 +276,9 @@ class TranslationTask(Task):
 class TranslationSubject(Subject):
     """inspect-heads' view of a translation run: encoder, decoder and cross-attention sites."""
 
-    KIND = "translation"
-    METRICS = ("loss", "bleu")
-    SPECIAL_IDS = frozenset({BOS_ID, EOS_ID})
+    kind = "translation"
+    metric_names = ("loss", "bleu")
+    special_ids = frozenset({BOS_ID, EOS_ID})
 
     def __init__(self, model, recipe, rt, tokenizer, sources, targets, references, frequency, task=None):
         self.tokenizer, self.sources, self.targets, self.references = tokenizer, sources, targets, references
