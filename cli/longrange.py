@@ -1,4 +1,4 @@
-"""xformer longrange SWEEP: Transformer vs LSTM across sequence lengths, as tables and a plot."""
+"""xformer longrange SWEEP: Transformer (and its variants) vs LSTM across sequence lengths, as tables and a plot."""
 
 from __future__ import annotations
 
@@ -18,14 +18,14 @@ ROW = 1000  # progress units per row
 @user_errors
 def longrange(
     sweep: Annotated[Path, typer.Argument(help="Sweep TOML ([sweep] names the two recipes, lengths, seeds, "
-                                               "budget).")],
+                                               "budget; [sweep.variants] any Transformer variants).")],
     out: Annotated[Path | None, typer.Option("--out", help="Sweep directory [default: runs/<sweep name>].")] = None,
     overrides: Annotated[list[str], typer.Option("--set", help="Override a sweep value: "
                                                                "--set sweep.lengths=[64,128].")] = [],  # noqa: B006
     device: DeviceOption = "auto",
 ) -> None:
-    """Train both models at every length and seed (rows already done are kept), then write
-    comparison.json, comparison.md and comparison.png."""
+    """Train every model (the Transformer, its variants, the LSTM) at every length and seed
+    (rows already done are kept), then write comparison.json, comparison.md and comparison.png."""
     loaded = load_sweep(sweep, overrides)
     out_dir = out or Path("runs") / sweep.stem
     progress = Progress(TextColumn("[bold]sweep[/bold]"), BarColumn(), TaskProgressColumn(),
@@ -60,15 +60,16 @@ def longrange(
         raise typer.Exit(130) from None
     table = Table(title=f"{comparison.task}: test accuracy % (mean +- std over seeds), "
                         f"{comparison.budget_per_run} per run", header_style="bold")
-    for column in ("length", "Transformer", "LSTM", "params T / L", "tokens/s T / L", "peak MB T / L"):
-        table.add_column(column, justify="right")
+    for column in ("length", "model", "accuracy %", "params", "tokens/s", "peak MB", "tokens/s vs transformer"):
+        table.add_column(column, justify="left" if column == "model" else "right")
     by = {(g["model"], g["length"]): g for g in comparison.summary}
     for n in comparison.lengths:
-        t, s = by[("transformer", n)], by[("lstm", n)]
-        table.add_row(str(n), f"{t['accuracy_mean']:.2f} +- {t['accuracy_std']:.2f}",
-                      f"{s['accuracy_mean']:.2f} +- {s['accuracy_std']:.2f}",
-                      f"{t['parameters']:,} / {s['parameters']:,}",
-                      f"{t['tokens_per_s']:,.0f} / {s['tokens_per_s']:,.0f}",
-                      f"{t['peak_memory_mb']:.0f} / {s['peak_memory_mb']:.0f}")
+        base = by[("transformer", n)]
+        for model in comparison.models:
+            g = by[(model, n)]
+            table.add_row(str(n), model, f"{g['accuracy_mean']:.2f} +- {g['accuracy_std']:.2f}",
+                          f"{g['parameters']:,}", f"{g['tokens_per_s']:,.0f}", f"{g['peak_memory_mb']:.0f}",
+                          f"{g['tokens_per_s'] / max(base['tokens_per_s'], 1e-9):.2f}x")
+        table.add_section()
     stdout.print(table)
     stdout.print(f"[dim]{out_dir}/comparison.json, comparison.md, comparison.png[/dim]")

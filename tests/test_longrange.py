@@ -309,3 +309,29 @@ def test_a_sweep_pinned_before_a_field_existed_still_resumes(tmp_path):
     (out / "sweep.json").write_text(json.dumps(pinned))
     with pytest.raises(RunError, match="started with other recipes"):
         _pin_sweep(sweep, out)
+
+
+def test_a_sweep_trains_each_named_variant_of_the_transformer(tmp_path):
+    sweep = write_sweep(tmp_path, [24], [1], 3)
+    sweep.write_text(sweep.read_text() + '\n[sweep.variants]\nwindowed = {attention = "sliding_window", window = 4}\n'
+                     'alibi = {positional = "alibi"}\n')
+    out = tmp_path / "out"
+    result = invoke("longrange", sweep, "--out", out, "--device", "cpu")
+    assert result.exit_code == 0, result.output
+    comparison = json.loads((out / "comparison.json").read_text())
+    assert comparison["models"] == ["transformer", "windowed", "alibi", "lstm"]
+    assert [r["model"] for r in comparison["rows"]] == comparison["models"]
+    trained = {m: load_recipe(out / "runs" / f"{m}-L24-s1" / "recipe.toml").model for m in comparison["models"]}
+    assert (trained["windowed"].attention, trained["windowed"].window) == ("sliding_window", 4)
+    assert trained["alibi"].positional == "alibi" and trained["transformer"].attention == "full"
+    assert trained["windowed"].d_model == trained["transformer"].d_model  # the rest is the transformer's recipe
+    md = (out / "comparison.md").read_text()
+    assert "windowed acc %" in md and "  - alibi: " in md
+
+    for bad, expected in (('w = {attention = "sliding_window", windo = 4}',
+                           "sweep.variants.w: model.windo: unknown key"),
+                          ('lstm = {positional = "alibi"}', "sweep.variants.lstm: expected a name"),
+                          ('w = {attention = "sliding_window", window = 0}', "sweep.variants.w: model.window")):
+        sweep.write_text(sweep.read_text().split("[sweep.variants]")[0] + f"[sweep.variants]\n{bad}\n")
+        result = runner.invoke(app, ["longrange", str(sweep), "--out", str(tmp_path / "other")])
+        assert result.exit_code == 2 and expected in result.output, result.output

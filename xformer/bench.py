@@ -21,7 +21,7 @@ from xformer.events import Event, ignore
 from xformer.instrument import PeakMemory
 from xformer.model.attention import MultiHeadAttention
 from xformer.model.lowrank import LowRankProjection
-from xformer.model.patterns import PATTERNS, make_pattern, self_attention_mask
+from xformer.model.patterns import PATTERNS, PatternMask, make_pattern
 from xformer.results import Result
 from xformer.runtime import resolve_runtime
 
@@ -97,8 +97,7 @@ def _measure(config: AttentionBenchConfig, pattern, backend: str, n: int, device
     for _ in range(config.repeats + 1):  # the first is a warm-up
         with PeakMemory(device) as peak:
             started = time.perf_counter()
-            mask = self_attention_mask(pattern, n, n, 0, causal=False, device=device) if pattern.QUERY_DEPENDENT \
-                else None
+            mask = PatternMask(pattern, n, device=device) if pattern.QUERY_DEPENDENT else None
             out, _ = attention(x, mask=mask)
             out.sum().backward()
             if device.type == "cuda":
@@ -114,12 +113,14 @@ def _measure(config: AttentionBenchConfig, pattern, backend: str, n: int, device
 
 
 def _score_bytes(config: AttentionBenchConfig, n: int, backend: str, pattern) -> float:
-    """What the (B, H, n, n) score matrices of one forward + backward need, roughly: the
-    explicit path keeps scores, probabilities and their gradients; SDPA about one such matrix
-    when it falls back to its math kernel (a mask or a hook); a mask adds n^2 bytes."""
-    matrices = 4 if backend == "explicit" or pattern.score_hook is not None else 1
-    keys = config.rank if pattern.PROJECTS_KEYS else n
-    return config.batch * config.n_heads * n * keys * 4 * matrices + (n * n if pattern.QUERY_DEPENDENT else 0)
+    """What the (B, H, n, keys scored) score matrices of one forward + backward need, roughly:
+    the explicit path and the blocked kernels keep scores, probabilities and their gradients;
+    SDPA about one such matrix when it falls back to its math kernel (a mask or a hook); a
+    dense mask adds n^2 bytes."""
+    blocked = pattern.banded(n)
+    matrices = 4 if backend == "explicit" or pattern.score_hook is not None or blocked else 1
+    dense_mask = n * n if pattern.QUERY_DEPENDENT and not blocked else 0
+    return config.batch * config.n_heads * n * pattern.scored_keys(n) * 4 * matrices + dense_mask
 
 
 def _add_ratios(cells: list[dict]) -> None:

@@ -10,9 +10,14 @@ A sweep file names the two recipes and the grid:
     max_time = 2.0                             # minutes of training per run (or max_steps)
     match_parameters = true                    # LSTM hidden size set to the Transformer's count
 
-For every (length, model, seed) the recipe is trained with data.max_len = length (and
-model.max_positions raised to length + 1 where needed), the checkpoint with the best
-validation accuracy is scored on the test split, and the run's row is written to
+    [sweep.variants]                           # optional: more models, each the transformer
+    sliding_window = {attention = "sliding_window", window = 64}   # recipe with these [model] keys
+    alibi = {positional = "alibi"}
+
+Models are "transformer", the variants in file order, then "lstm". For every (length, model,
+seed) the recipe is trained with data.max_len = length (and model.max_positions raised to
+length + 1 where needed), the checkpoint with the best validation accuracy is scored on the
+test split, and the run's row is written to
 SWEEP/rows/<model>-L<length>-s<seed>.json. Rows already there are skipped, and a run stopped
 part way (Ctrl-C, a kill) resumes from its last checkpoint, so an interrupted sweep continues
 where it stopped. Then
@@ -26,6 +31,7 @@ where it stopped. Then
 from __future__ import annotations
 
 import json
+import re
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -50,7 +56,8 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
-MODELS = ("transformer", "lstm")
+MODELS = ("transformer", "lstm")  # every sweep's two; variants go between them
+VARIANT_NAME = re.compile(r"[a-z][a-z0-9_]*")
 
 
 @dataclass
@@ -87,6 +94,11 @@ class Sweep:
     config: SweepConfig
     recipes: dict[str, Recipe]  # "transformer", "lstm": as loaded, before per-row overrides
     source: Path
+    variants: dict[str, dict] = field(default_factory=dict)  # name -> [model] keys over the transformer's
+
+    @property
+    def models(self) -> list[str]:
+        return ["transformer", *self.variants, "lstm"]
 
 
 def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
@@ -100,6 +112,8 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
         raise RecipeError(f"{path}: cannot read the sweep ({exc})") from None
     problems = [f"{path}: {k}: unknown table{did_you_mean(k, ['sweep'])}" for k in raw if k != "sweep"]
     table = dict(raw.get("sweep", {}))
+    variants = table.pop("variants", {})
+    problems += _variant_problems(variants, path)
     for item in overrides:
         key, sep, text = item.partition("=")
         name = key.strip().removeprefix("sweep.")
@@ -120,15 +134,42 @@ def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
             raise RecipeError(f"{path}: sweep.{name}: expected distinct values, found {values}")
     recipes = {name: load_recipe(path.parent / getattr(config, name)) for name in MODELS}
     _check_pair(recipes, path)
-    sweep = Sweep(config, recipes, path)
+    sweep = Sweep(config, recipes, path, variants)
+    for name in variants:  # a variant's own keys first, so their mistakes are named as theirs
+        try:
+            _variant_recipe(sweep, name)
+        except RecipeError as exc:
+            raise RecipeError([f"{path}: sweep.variants.{name}: {p.removeprefix('sweep: ')}"
+                               for p in exc.problems]) from None
     for length in config.lengths:  # every row's recipe validates now, not hours into the sweep
-        for model in MODELS:
+        for model in sweep.models:
             try:
                 row_recipe(sweep, model, length, config.seeds[0])
             except RecipeError as exc:
                 raise RecipeError([f"{path}: sweep.lengths: at length {length} the {model} recipe fails: {p}"
                                    for p in exc.problems]) from None
     return sweep
+
+
+def _variant_problems(variants, path: Path) -> list[str]:
+    if not isinstance(variants, dict):
+        return [f"{path}: sweep.variants: expected a table of name = {{model keys}}, found {variants!r}"]
+    out = []
+    for name, keys in variants.items():
+        if not VARIANT_NAME.fullmatch(name) or name in MODELS:
+            out.append(f"{path}: sweep.variants.{name}: expected a name of lowercase letters, digits and _ "
+                       f"other than {' and '.join(MODELS)}")
+        if not isinstance(keys, dict) or not keys:
+            out.append(f"{path}: sweep.variants.{name}: expected a table of [model] keys, e.g. "
+                       f"{{attention = \"sliding_window\", window = 64}}, found {keys!r}")
+    return out
+
+
+def _variant_recipe(sweep: Sweep, name: str) -> Recipe:
+    """The transformer recipe with variant `name`'s [model] keys."""
+    table = sweep.recipes["transformer"].to_dict()
+    table["model"] = {**table["model"], **sweep.variants[name]}
+    return recipe_from_dict(table, source="sweep")
 
 
 def _check_pair(recipes: dict[str, Recipe], path: Path) -> None:
@@ -154,7 +195,7 @@ def row_key(model: str, length: int, seed: int) -> str:
 
 def row_recipe(sweep: Sweep, model: str, length: int, seed: int) -> Recipe:
     """The recipe of one row: the model's recipe at this length, seed and budget."""
-    base = sweep.recipes[model]
+    base = _variant_recipe(sweep, model) if model in sweep.variants else sweep.recipes[model]
     cfg = sweep.config
     sets = [f"data.max_len={length}", f"train.seed={seed}", f"train.max_steps={cfg.max_steps}",
             f"train.max_time={cfg.max_time}", "train.max_epochs=0"]
@@ -191,7 +232,7 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
     (out_dir / "rows").mkdir(parents=True, exist_ok=True)
     _pin_sweep(sweep, out_dir)
     cfg = sweep.config
-    plan = [(length, model, seed) for length in cfg.lengths for model in MODELS for seed in cfg.seeds]
+    plan = [(length, model, seed) for length in cfg.lengths for model in sweep.models for seed in cfg.seeds]
     emit("plan", {"rows": len(plan), "done": sum((out_dir / "rows" / f"{row_key(m, n, s)}.json").is_file()
                                                  for n, m, s in plan)})
     for index, (length, model, seed) in enumerate(plan):
@@ -262,6 +303,8 @@ def _pin_sweep(sweep: Sweep, out_dir: Path) -> None:
     """Save the sweep's resolved settings; a resumed sweep must have the same ones."""
     pinned = {"config": {k: getattr(sweep.config, k) for k in ("max_steps", "max_time", "match_parameters")},
               "recipes": {m: sweep.recipes[m].to_dict() for m in MODELS}}
+    if sweep.variants:  # (absent without variants, so a sweep started before they existed still matches)
+        pinned["variants"] = sweep.variants
     path = out_dir / "sweep.json"
     if path.is_file():
         old = json.loads(path.read_text())
@@ -280,7 +323,7 @@ def summarize(sweep: Sweep, rows: list[dict]) -> dict:
     """Per (model, length): mean and std of test accuracy over seeds, and the cost columns."""
     groups = []
     for length in sweep.config.lengths:
-        for model in MODELS:
+        for model in sweep.models:
             mine = [r for r in rows if r["model"] == model and r["length"] == length]
             acc = [r["test_accuracy"] for r in mine]
             groups.append({
@@ -297,7 +340,7 @@ def summarize(sweep: Sweep, rows: list[dict]) -> dict:
                                       f"{cfg.max_steps} steps" if cfg.max_steps else "") if x)
     task = sweep.recipes["transformer"].data.task
     return {"task": task, "budget_per_run": budget, "lengths": cfg.lengths, "seeds": cfg.seeds,
-            "device": rows[0]["device"] if rows else None, "summary": groups, "rows": rows}
+            "device": rows[0]["device"] if rows else None, "models": sweep.models, "summary": groups, "rows": rows}
 
 
 def write_comparison(comparison: dict, out_dir: Path) -> None:
@@ -308,19 +351,20 @@ def write_comparison(comparison: dict, out_dir: Path) -> None:
 
 def comparison_markdown(c: dict) -> str:
     by = {(g["model"], g["length"]): g for g in c["summary"]}
-    lines = [f"# {c['task']}: Transformer vs LSTM across sequence lengths", "",
+    models = c.get("models", list(MODELS))
+    title = "Transformer vs LSTM" if models == list(MODELS) else "Transformer variants and an LSTM"
+    lines = [f"# {c['task']}: {title} across sequence lengths", "",
              f"Budget per run: {c['budget_per_run']}; seeds {c['seeds']}; device {c['device']}. Test accuracy is "
-             "the mean +- std over seeds of the checkpoint with the best validation accuracy.", "",
-             "| length | Transformer acc % | LSTM acc % | Transformer params | LSTM params | Transformer tok/s | "
-             "LSTM tok/s | Transformer peak MB | LSTM peak MB |",
-             "|---|---|---|---|---|---|---|---|---|"]
-    for n in c["lengths"]:
-        t, s = by[("transformer", n)], by[("lstm", n)]
-        lines.append(f"| {n} | {t['accuracy_mean']:.2f} +- {t['accuracy_std']:.2f} | "
-                     f"{s['accuracy_mean']:.2f} +- {s['accuracy_std']:.2f} | {t['parameters']:,} | "
-                     f"{s['parameters']:,} | {t['tokens_per_s']:,.0f} | {s['tokens_per_s']:,.0f} | "
-                     f"{t['peak_memory_mb']:.0f} | {s['peak_memory_mb']:.0f} |")
-    lines += ["", "## Who wins where", ""]
+             "the mean +- std over seeds of the checkpoint with the best validation accuracy.", ""]
+    columns = [("acc %", lambda g: f"{g['accuracy_mean']:.2f} +- {g['accuracy_std']:.2f}"),
+               ("params", lambda g: f"{g['parameters']:,}"), ("tok/s", lambda g: f"{g['tokens_per_s']:,.0f}"),
+               ("peak MB", lambda g: f"{g['peak_memory_mb']:.0f}")]
+    for heading, cell in columns:
+        lines += [f"| length | {' | '.join(f'{_label(m)} {heading}' for m in models)} |",
+                  "|---" * (len(models) + 1) + "|"]
+        lines += [f"| {n} | {' | '.join(cell(by[(m, n)]) for m in models)} |" for n in c["lengths"]]
+        lines.append("")
+    lines += ["## Who wins where", ""]
     for n in c["lengths"]:
         t, s = by[("transformer", n)], by[("lstm", n)]
         acc = "Transformer" if t["accuracy_mean"] > s["accuracy_mean"] else (
@@ -329,7 +373,15 @@ def comparison_markdown(c: dict) -> str:
         ratio = max(t["tokens_per_s"], s["tokens_per_s"]) / max(min(t["tokens_per_s"], s["tokens_per_s"]), 1e-9)
         lines.append(f"- length {n}: accuracy: {acc} ({t['accuracy_mean']:.2f} vs {s['accuracy_mean']:.2f}); "
                      f"training throughput: {speed}, {ratio:.2f}x")
+        for m in models[1:-1]:
+            g = by[(m, n)]
+            lines.append(f"  - {m}: {g['accuracy_mean'] - t['accuracy_mean']:+.2f} accuracy points against the "
+                         f"transformer, {g['tokens_per_s'] / max(t['tokens_per_s'], 1e-9):.2f}x its throughput")
     return "\n".join(lines) + "\n"
+
+
+def _label(model: str) -> str:
+    return {"transformer": "Transformer", "lstm": "LSTM"}.get(model, model)
 
 
 def plot_comparison(c: dict, path: Path) -> None:
@@ -339,7 +391,8 @@ def plot_comparison(c: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_acc, ax_tps) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for model, color in (("transformer", "tab:blue"), ("lstm", "tab:orange")):
+    for model in c.get("models", list(MODELS)):
+        color = {"transformer": "tab:blue", "lstm": "tab:orange"}.get(model)
         groups = [g for g in c["summary"] if g["model"] == model]
         lengths = [g["length"] for g in groups]
         ax_acc.errorbar(lengths, [g["accuracy_mean"] for g in groups], yerr=[g["accuracy_std"] for g in groups],

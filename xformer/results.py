@@ -117,12 +117,14 @@ class HeadsReport(Result):
 
 @dataclass
 class SweepResult(Result):
-    """A Transformer-vs-LSTM length sweep (`xformer longrange`): what comparison.json holds."""
+    """A Transformer-vs-LSTM length sweep with any Transformer variants (`xformer longrange`):
+    what comparison.json holds."""
 
     task: str
     budget_per_run: str
     lengths: list[int]
     seeds: list[int]
     device: str | None
+    models: list[str]  # "transformer", any variants, "lstm"
     summary: list[dict]  # per (model, length): accuracy mean and std over seeds, parameters, tokens/s, memory
     rows: list[dict]  # one per trained run

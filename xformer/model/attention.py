@@ -26,6 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from xformer.model.banded import Front
+from xformer.model.patterns import PatternMask, self_attention_mask
+
 
 def explicit_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
@@ -242,6 +245,11 @@ class MultiHeadAttention(nn.Module):
                 q, k = self.rotary.rotate(q, past), self.rotary.rotate(k, past)
             if cache is not None:
                 k, v = cache.append(k, v)
+        if isinstance(mask, PatternMask):  # a self-attention's pattern, not yet a (T, S) matrix
+            if mask.banded and memory is None and cache is None and self.score_hook is None \
+                    and self.key_projection is None and not need_weights and self.on_probs is None:
+                return self._finish(self._blocked(q, k, v, mask), b, t), None
+            mask = mask.dense()
         if self.key_projection is not None:  # (B, K, S, Dh) -> (B, K, rank, Dh), padding zeroed first
             k, v = self.key_projection(k, v, mask)
             mask = None
@@ -249,9 +257,7 @@ class MultiHeadAttention(nn.Module):
         if self.score_bias is not None and memory is None:
             q_pos = torch.arange(past, past + t, device=q.device)
             k_pos = cache.positions() if cache is not None else torch.arange(k.size(2), device=q.device)
-            bias = self.score_bias.bias(q_pos, k_pos)  # (H0, T, S) for the stack's original heads
-            if self.bias_heads is not None:
-                bias = bias.index_select(0, self.bias_heads.to(bias.device))
+            bias = self._bias(q_pos, k_pos)
         if self.mem_k is not None:  # M slots in front of the keys: always visible, no bias
             k, v, mask, bias = self._with_memory_tokens(k, v, mask, is_causal, bias)
             is_causal = False
@@ -264,6 +270,10 @@ class MultiHeadAttention(nn.Module):
                 self.on_probs(probs)
         else:
             out = sdpa_attention(q, k, v, mask, is_causal, self.dropout, self.training, bias)
+        return self._finish(out, b, t), probs if need_weights else None
+
+    def _finish(self, out: Tensor, b: int, t: int) -> Tensor:
+        """Heads (B, H, T, Dh) -> (B, T, D): DropHead, the inspection gate, out_proj."""
         if self.training and self.head_dropout > 0:
             out = drop_heads(out, self.head_dropout)
         if self.head_gate is not None:
@@ -272,7 +282,56 @@ class MultiHeadAttention(nn.Module):
             if self.head_fill is not None:
                 out = out + (1 - gate) * self.head_fill.to(out.dtype)[:, None, :]  # (H, 1, Dh)
         out = out.transpose(1, 2).reshape(b, t, self.n_heads * self.head_dim)  # (B, T, H*Dh)
-        return self.out_proj(out), probs if need_weights else None
+        return self.out_proj(out)
+
+    def _bias(self, q_pos: Tensor, k_pos: Tensor) -> Tensor:
+        """The position bias (H, T, S) of this module's heads for queries at q_pos, keys at k_pos."""
+        bias = self.score_bias.bias(q_pos, k_pos)  # (H0, T, S) for the stack's original heads
+        if self.bias_heads is not None:
+            bias = bias.index_select(0, self.bias_heads.to(bias.device))
+        return bias
+
+    def _blocked(self, q: Tensor, k: Tensor, v: Tensor, mask: PatternMask) -> Tensor:
+        """Self-attention through the pattern's blocked kernel (model/banded.py), with the memory
+        slots and the global tokens as front columns, and the global tokens' own rows (which
+        see every key) computed densely, g rows of n keys."""
+        b, t = q.size(0), q.size(2)
+        pattern, g = mask.pattern, min(mask.pattern.global_tokens, t)
+        bias = self._bias if self.score_bias is not None else None
+        fronts = []
+        if self.mem_k is not None:
+            m = self.mem_k.size(1)
+            fronts.append(Front(self.mem_k.to(k.dtype).expand(b, -1, -1, -1),
+                                self.mem_v.to(v.dtype).expand(b, -1, -1, -1),
+                                torch.ones(1, 1, m, dtype=torch.bool, device=q.device),
+                                None if bias is None else q.new_zeros(1, 1, m)))
+        if g:
+            positions = torch.arange(t, device=q.device)
+            visible = torch.ones(1, t, g, dtype=torch.bool, device=q.device) if mask.pad is None \
+                else ~mask.pad[:, None, :g]
+            if mask.causal:
+                visible = visible & (positions[None, :, None] >= positions[None, None, :g])
+            fronts.append(Front(k[:, :, :g], v[:, :, :g], visible,
+                                None if bias is None else bias(positions, positions[:g])))
+        front = None
+        if fronts:
+            front = Front(torch.cat([f.k for f in fronts], 2), torch.cat([f.v for f in fronts], 2),
+                          torch.cat([f.visible.expand(b, t, -1) for f in fronts], 2),
+                          None if bias is None else torch.cat([f.bias.expand(q.size(1), t, -1) for f in fronts], 2))
+        out = pattern.blocked(q, k, v, causal=mask.causal, key_pad=mask.pad, bias=bias, front=front,
+                              drop=self.attn_drop)
+        if not g:
+            return out
+        rows_mask = self_attention_mask(pattern, g, t, 0, causal=mask.causal, pad=mask.pad, device=q.device)
+        rows_bias = None if bias is None else bias(torch.arange(g, device=q.device), torch.arange(t, device=q.device))
+        rows = self._dense_rows(q[:, :, :g], k, v, rows_mask, rows_bias)
+        return torch.cat([rows, out[:, :, g:]], dim=2)
+
+    def _dense_rows(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, bias: Tensor | None) -> Tensor:
+        """Explicit attention of a few query rows over every key (and the memory slots)."""
+        if self.mem_k is not None:
+            k, v, mask, bias = self._with_memory_tokens(k, v, mask, False, bias)
+        return explicit_attention(q, k, v, mask, bias=bias, drop=self.attn_drop)[0]
 
     def _with_memory_tokens(self, k: Tensor, v: Tensor, mask: Tensor | None, is_causal: bool,
                             bias: Tensor | None) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:

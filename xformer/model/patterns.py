@@ -28,18 +28,36 @@ row) read it.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
+
+from xformer.model.banded import banded_attention, strided_attention
 
 
 class Full:
     QUERY_DEPENDENT = False
     PROJECTS_KEYS = False  # whether attention sees projections of the keys instead of the keys (low_rank)
     score_hook: Callable[[Tensor], Tensor] | None = None
+    global_tokens = 0  # leading positions every query sees and that see every key
 
     def allowed(self, q: Tensor, k: Tensor) -> Tensor | None:
         return None
+
+    def banded(self, n: int) -> bool:
+        """Whether a self-attention over n positions should run `blocked` (model/banded.py)
+        instead of masking the dense (n, n) scores."""
+        return False
+
+    def blocked(self, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+        """The pattern's own kernel, without the (T, S) matrix: banded_attention's arguments."""
+        raise NotImplementedError(f"{type(self).__name__} has no blocked kernel")
+
+    def scored_keys(self, n: int) -> int:
+        """How many scores a query row computes in a self-attention over n positions (what its
+        time and memory grow with)."""
+        return n
 
 
 class SlidingWindow(Full):
@@ -50,6 +68,17 @@ class SlidingWindow(Full):
 
     def allowed(self, q: Tensor, k: Tensor) -> Tensor:
         return (q - k).abs() < self.window
+
+    def banded(self, n: int) -> bool:
+        # a block scores ~3 windows of keys: it pays once they are well under the n keys of a row
+        return n >= 4 * self.window
+
+    def blocked(self, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+        return banded_attention(q, k, v, self.window, exclude_below=self.global_tokens, **options)
+
+    def scored_keys(self, n: int) -> int:
+        block = min(self.window, 128)  # banded_attention's
+        return block + 2 * (self.window - 1) + self.global_tokens if self.banded(n) else n
 
 
 class LocalGlobal(SlidingWindow):
@@ -70,6 +99,15 @@ class Strided(Full):
     def allowed(self, q: Tensor, k: Tensor) -> Tensor:
         distance = (q - k).abs()
         return (distance < self.stride) | (distance % self.stride == 0)
+
+    def banded(self, n: int) -> bool:
+        return n >= 4 * self.stride
+
+    def blocked(self, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
+        return strided_attention(q, k, v, self.stride, **options)
+
+    def scored_keys(self, n: int) -> int:
+        return 3 * self.stride - 2 + -(-n // self.stride) if self.banded(n) else n
 
 
 class TopK(Full):
@@ -97,6 +135,9 @@ class LowRank(Full):
 
     def __init__(self, rank: int):
         self.rank = rank
+
+    def scored_keys(self, n: int) -> int:
+        return self.rank
 
 
 def make_pattern(name: str, *, window: int = 0, global_tokens: int = 0, stride: int = 0, topk: int = 0,
@@ -137,3 +178,29 @@ def self_attention_mask(pattern: Full, t: int, s: int, offset: int, *, causal: b
         return None
     allowed = allowed | (k == q)
     return allowed if allowed.dim() == 4 else allowed[None, None]
+
+
+@dataclass(eq=False)
+class PatternMask:
+    """A self-attention's mask by its parts (the pattern over `length` positions, key padding
+    `pad` (B, S) True at padding, causality), so that a kernel that never builds the (T, S)
+    matrix can take it (model/banded.py); `dense()` spells it out once for every layer that
+    needs the matrix (head inspection, the explicit path of a short sequence)."""
+
+    pattern: Full
+    length: int
+    pad: Tensor | None = None
+    causal: bool = False
+    device: torch.device | None = None
+    _dense: Tensor | None = field(default=None, repr=False)
+
+    @property
+    def banded(self) -> bool:
+        return self.pattern.banded(self.length)
+
+    def dense(self) -> Tensor | None:
+        if self._dense is None:
+            n = self.length
+            self._dense = self_attention_mask(self.pattern, n, n, 0, causal=self.causal, pad=self.pad,
+                                              device=self.device)
+        return self._dense

@@ -22,7 +22,7 @@ from xformer.model.attention import KVCache, MultiHeadAttention
 from xformer.model.feedforward import FFNS
 from xformer.model.masks import causal_mask, padding_mask
 from xformer.model.norms import NORMS
-from xformer.model.patterns import Full, self_attention_mask
+from xformer.model.patterns import Full, PatternMask, self_attention_mask
 
 
 class EncoderLayer(nn.Module):
@@ -166,9 +166,8 @@ class Encoder(nn.Module):
         x = self.embed(tokens, prefix=prefix)
         if not self.pattern.QUERY_DEPENDENT:
             mask = padding_mask(pad)  # (B, 1, 1, S), computed once for every layer
-        else:  # (B, 1, S, S): the pattern and padding
-            s = x.size(1)
-            mask = self_attention_mask(self.pattern, s, s, 0, causal=False, pad=pad, device=x.device)
+        else:  # the pattern and padding, spelt out (B, 1, S, S) only by a layer that needs the matrix
+            mask = PatternMask(self.pattern, x.size(1), pad, causal=False, device=x.device)
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, rows if i == len(self.layers) - 1 else None)
         x = self.final_norm(x)
@@ -217,7 +216,9 @@ class Decoder(nn.Module):
         past = 0 if cache is None else cache.length
         t = tokens.size(1)
         x = self.embed(tokens, offset=past)
-        if self.pattern.QUERY_DEPENDENT:  # the pattern's causal mask over the keys the caches will hold
+        if self.pattern.QUERY_DEPENDENT and cache is None:  # the whole target: the pattern, causal
+            self_mask, is_causal = PatternMask(self.pattern, t, None, causal=True, device=tokens.device), False
+        elif self.pattern.QUERY_DEPENDENT:  # the pattern's causal mask over the keys the caches will hold
             keys = None if cache is None else cache.layers[0][0].positions_after(t, tokens.device)
             s = past + t if keys is None else keys.numel()
             self_mask = self_attention_mask(self.pattern, t, s, past, causal=True, device=tokens.device,
