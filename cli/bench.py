@@ -24,12 +24,16 @@ def attention(
                        ] = [],  # noqa: B006
     patterns: Annotated[list[Pattern], typer.Option("--pattern", help="Patterns (repeatable) [default: all].")
                         ] = [],  # noqa: B006
-    backends: Annotated[list[Backend], typer.Option("--backend", help="Backends (repeatable) [default: both].")
+    backends: Annotated[list[Backend], typer.Option("--backend", help="Backends (repeatable) "
+                                                                 "[default: sdpa, explicit].")
                         ] = [],  # noqa: B006
     d_model: Annotated[int, typer.Option("--d-model", min=8, help="Width of the layer.")] = 256,
     n_heads: Annotated[int, typer.Option("--heads", min=1, help="Attention heads.")] = 4,
     window: Annotated[int, typer.Option("--window", min=1, help="sliding_window / local_global window.")] = 256,
     repeats: Annotated[int, typer.Option("--repeats", min=1, help="Timed repeats per cell (median).")] = 3,
+    decode_lengths: Annotated[list[int], typer.Option("--decode-length", metavar="N", help="Tokens to generate "
+                                                      "when measuring the decoder KV cache (repeatable; 0 skips "
+                                                      "it) [default: 512 1024 2048 4096].")] = [],  # noqa: B006
     max_seconds: Annotated[float, typer.Option("--max-seconds", help="Stop a series after a cell this "
                                                                      "slow.")] = 30.0,
     out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
@@ -43,8 +47,13 @@ def attention(
     config.lengths = lengths or config.lengths
     config.patterns = [p.value for p in patterns] or config.patterns
     config.backends = [b.value for b in backends] or config.backends
+    config.decode_lengths = [n for n in decode_lengths if n > 0] if decode_lengths else config.decode_lengths
 
     def on_event(kind: str, cell: dict) -> None:
+        if kind == "cache":
+            console.print(f"[dim]{cell['pattern']:>14} decoder cache after {cell['generated']} tokens: "
+                          f"{cell['cache_mb']:.2f} MB[/dim]")
+            return
         done = f"{cell['seconds']:.3f} s" if "seconds" in cell else f"skipped: {cell['skipped']}"
         console.print(f"[dim]{cell['pattern']:>14} {cell['backend']:>8} n={cell['length']:<6} {done}[/dim]")
 
@@ -55,6 +64,18 @@ def attention(
         typer.echo(result.to_json(indent=None))
         return
     stdout.print(bench_table(result))
+    if result.cache:
+        stdout.print(cache_table(result))
+
+
+def cache_table(result: AttentionBench) -> Table:
+    table = Table(title="decoder KV cache held while generating, one layer", header_style="bold")
+    for column in ("pattern", "tokens generated", "cache MB", "ms per token"):
+        table.add_column(column, justify="left" if column == "pattern" else "right")
+    for row in result.cache:
+        table.add_row(row["pattern"], str(row["generated"]), f"{row['cache_mb']:.3f}",
+                      f"{1000 * row['seconds_per_token']:.2f}")
+    return table
 
 
 def bench_table(result: AttentionBench) -> Table:

@@ -12,7 +12,7 @@ from xformer_cli.main import app
 
 def test_every_pattern_and_backend_gets_its_cells_and_full_is_the_baseline():
     config = AttentionBenchConfig(lengths=[16, 32], d_model=16, n_heads=2, window=4, stride=4, topk=4, repeats=1,
-                                  device="cpu")
+                                  device="cpu", decode_lengths=[])
     result = bench_attention(config)
     assert {(c["pattern"], c["backend"]) for c in result.cells} == {(p, b) for p in config.patterns
                                                                      for b in config.backends}
@@ -25,12 +25,32 @@ def test_every_pattern_and_backend_gets_its_cells_and_full_is_the_baseline():
 
 def test_a_cell_too_large_or_after_a_slow_one_is_skipped_not_run():
     config = AttentionBenchConfig(lengths=[16, 32, 64], patterns=["full"], backends=["explicit"], d_model=16,
-                                  n_heads=2, repeats=1, device="cpu", memory_limit_mb=32 * 32 * 2 * 4 * 4 / 2**20)
+                                  n_heads=2, repeats=1, device="cpu", memory_limit_mb=32 * 32 * 2 * 4 * 4 / 2**20,
+                                  decode_lengths=[])
     cells = bench_attention(config).cells
     assert "seconds" in cells[0] and "seconds" in cells[1] and "needs ~" in cells[2]["skipped"]
     config.memory_limit_mb, config.max_seconds = 1e6, 0.0  # every cell "too slow": only the first runs
     cells = bench_attention(config).cells
     assert "seconds" in cells[0] and all("skipped" in c for c in cells[1:])
+
+
+def test_the_windowed_decoder_cache_stays_constant_and_the_full_one_grows():
+    config = AttentionBenchConfig(lengths=[16], patterns=["full", "sliding_window", "local_global", "low_rank"],
+                                  backends=["sdpa"], d_model=16, n_heads=2, window=4, global_tokens=1, repeats=1,
+                                  device="cpu", decode_lengths=[8, 16, 32])
+    by = {(r["pattern"], r["generated"]): r["cache_mb"] for r in bench_attention(config).cache}
+    assert {p for p, _ in by} == {"full", "sliding_window", "local_global"}  # low_rank does not decode
+    assert by[("full", 32)] == 2 * by[("full", 16)] == 4 * by[("full", 8)]  # every key kept
+    per_key = by[("full", 8)] / 8
+    assert by[("sliding_window", 8)] == by[("sliding_window", 32)] == pytest.approx(4 * per_key)  # window - 1 + new
+    assert by[("local_global", 32)] == pytest.approx(5 * per_key)  # and the global one
+
+
+def test_flex_is_skipped_with_the_reason_where_it_has_no_backward():
+    config = AttentionBenchConfig(lengths=[16], patterns=["full"], backends=["flex"], d_model=16, n_heads=2,
+                                  repeats=1, device="cpu", decode_lengths=[])
+    (cell,) = bench_attention(config).cells
+    assert "no backward pass on a CPU" in cell["skipped"] or "needs torch" in cell["skipped"]
 
 
 def test_the_fitted_exponent_is_the_log_log_slope():
@@ -43,9 +63,9 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path):
     out = tmp_path / "bench.json"
     result = CliRunner().invoke(app, ["bench", "attention", "--length", "16", "--length", "32", "--pattern", "full",
                                       "--pattern", "strided", "--backend", "sdpa", "--d-model", "16", "--heads", "2",
-                                      "--repeats", "1", "--device", "cpu", "--out", str(out)])
+                                      "--repeats", "1", "--decode-length", "8", "--device", "cpu", "--out", str(out)])
     assert result.exit_code == 0, result.output
-    assert "vs full" in result.stdout
+    assert "vs full" in result.stdout and "decoder KV cache" in result.stdout
     saved = json.loads(out.read_text())
     assert [c["pattern"] for c in saved["cells"]] == ["full", "full", "strided", "strided"]
     refused = CliRunner().invoke(app, ["bench", "attention", "--pattern", "dense"])

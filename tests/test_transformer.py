@@ -16,6 +16,7 @@ from tests.reference import naive_classifier, naive_norm, naive_seq2seq, naive_s
 from xformer import config
 from xformer.config import ModelConfig
 from xformer.model.build import build_model, count_parameters
+from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.feedforward import FFNS
 from xformer.model.norms import NORMS
 from xformer.model.patterns import PATTERNS
@@ -436,7 +437,7 @@ def test_too_long_sequence_names_max_positions():
 
 @pytest.mark.parametrize("literal,table", [
     (config.Positional, POSITIONAL), (config.Norm, NORMS), (config.FFN, FFNS),
-    (config.AttentionPattern, PATTERNS),
+    (config.AttentionPattern, PATTERNS), (config.Downsample, DOWNSAMPLERS),
 ])
 def test_every_variant_word_has_an_implementation(literal, table):
     assert set(typing.get_args(literal)) == set(table)

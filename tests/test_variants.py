@@ -15,6 +15,7 @@ from xformer.config import ModelConfig
 from xformer.errors import RecipeError
 from xformer.model.attention import explicit_attention, sdpa_attention
 from xformer.model.build import build_model, init_fairseq_
+from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.feedforward import FFNS
 from xformer.model.patterns import PATTERNS, make_pattern, self_attention_mask
 from xformer.model.positional import POSITIONAL, alibi_slopes, t5_bucket
@@ -194,13 +195,15 @@ def test_future_tokens_and_padding_never_change_earlier_real_outputs(positional,
 
 
 EVERY_VALUE = ([("positional", p) for p in POSITIONAL] + [("ffn", f) for f in FFNS] + [("memory_tokens", 2)]
-               + [("attention", a) for a in PATTERNS])
+               + [("attention", a) for a in PATTERNS] + [("downsample", d) for d in DOWNSAMPLERS])
 
 
 @pytest.mark.parametrize("axis,value", EVERY_VALUE)
 @pytest.mark.parametrize("arch", ["seq2seq", "classifier"])
 def test_every_axis_value_loads_builds_initialises_and_trains(axis, value, arch):
     fields = pattern_fields(value) if axis == "attention" else {axis: value}
+    if axis == "downsample":  # after the first of the two encoder layers
+        fields["downsample_every"] = 1
     pooling = {"pooling": "cls"} if arch == "classifier" else {}
     model_table = section_to_dict(tiny(arch=arch, **pooling, **fields))  # what a saved recipe holds
     data = {"max_len": 32} if arch == "seq2seq" else {"task": "recall", "max_len": 32, "n_pairs": 2, "n_queries": 1}

@@ -17,9 +17,12 @@ from dataclasses import dataclass, field
 
 import torch
 
+from xformer.config import ModelConfig
 from xformer.events import Event, ignore
 from xformer.instrument import PeakMemory
 from xformer.model.attention import MultiHeadAttention
+from xformer.model.build import build_model
+from xformer.model.flex import unavailable as flex_unavailable
 from xformer.model.lowrank import LowRankProjection
 from xformer.model.patterns import PATTERNS, PatternMask, make_pattern
 from xformer.results import Result
@@ -46,6 +49,9 @@ class AttentionBenchConfig:
     device: str = "auto"
     max_seconds: float = 30.0  # a series stops growing after a cell this slow
     memory_limit_mb: float = 8192.0  # skip a cell whose score matrices would need more
+    # the decoder KV cache: one decoder layer generating this many tokens one at a time, per
+    # pattern that decodes; [] skips it
+    decode_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096])
 
 
 @dataclass
@@ -57,6 +63,7 @@ class AttentionBench(Result):
     config: dict
     cells: list[dict]
     exponents: list[dict]
+    cache: list[dict] = field(default_factory=list)  # per (pattern, generated tokens): the KV cache held
 
 
 def bench_attention(config: AttentionBenchConfig | None = None, *, on_event: Event | None = None) -> AttentionBench:
@@ -73,7 +80,10 @@ def bench_attention(config: AttentionBenchConfig | None = None, *, on_event: Eve
             for n in config.lengths:
                 cell = {"pattern": pattern_name, "backend": backend, "length": n}
                 needed = _score_bytes(config, n, backend, pattern) / 2**20
-                if too_slow or needed > config.memory_limit_mb:
+                cannot = _cannot(backend, rt.device)
+                if cannot:
+                    cell["skipped"] = cannot
+                elif too_slow or needed > config.memory_limit_mb:
                     cell["skipped"] = ("a shorter length took more than max_seconds" if too_slow else
                                        f"needs ~{needed:,.0f} MB of scores, more than memory_limit_mb")
                 else:
@@ -83,7 +93,48 @@ def bench_attention(config: AttentionBenchConfig | None = None, *, on_event: Eve
                 emit("cell", cell)
     _add_ratios(cells)
     exponents = [_exponents(cells, p, b) for p in config.patterns for b in config.backends]
-    return AttentionBench(device=str(rt.device), config=vars(config), cells=cells, exponents=exponents)
+    cache = []
+    if config.decode_lengths:
+        for pattern_name in config.patterns:
+            if not make_pattern(pattern_name, rank=config.rank).PROJECTS_KEYS:  # encoders only
+                cache += _decode_cache(config, pattern_name, rt.device)
+                emit("cache", cache[-1])
+    return AttentionBench(device=str(rt.device), config=vars(config), cells=cells, exponents=exponents,
+                          cache=cache)
+
+
+def _decode_cache(config: AttentionBenchConfig, pattern: str, device: torch.device) -> list[dict]:
+    """Greedy-style incremental decoding of max(decode_lengths) tokens through one decoder layer
+    of `pattern` with the model's own cache (Seq2Seq.new_cache): the MB of keys and values it
+    holds, and the seconds per token, at each of decode_lengths."""
+    lengths = sorted(config.decode_lengths)
+    cfg = ModelConfig(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_model, n_encoder_layers=1,
+                      n_decoder_layers=1, dropout=0.0, max_positions=lengths[-1] + 1, attention=pattern,
+                      window=config.window, global_tokens=config.global_tokens, stride=config.stride,
+                      topk=config.topk)
+    torch.manual_seed(0)
+    model = build_model(cfg, 16).to(device).eval()
+    rows, tokens = [], torch.full((1, 1), 4, device=device)
+    with torch.no_grad():
+        memory, pad = model.encode(torch.full((1, 4), 5, device=device))
+        cache = model.new_cache()
+        started = time.perf_counter()
+        for step in range(1, lengths[-1] + 1):
+            model.decode(tokens, memory, pad, cache)
+            if step in lengths:
+                held = sum(c.k.numel() * c.k.element_size() * 2 for c, _ in cache.layers)
+                rows.append({"pattern": pattern, "generated": step, "cache_mb": held / 2**20,
+                             "seconds_per_token": (time.perf_counter() - started) / step})
+    return rows
+
+
+def _cannot(backend: str, device: torch.device) -> str | None:
+    """Why a backend cannot be timed forward + backward here, or None."""
+    if backend != "flex":
+        return None
+    if flex_unavailable():
+        return flex_unavailable()
+    return "flex attention has no backward pass on a CPU" if device.type == "cpu" else None
 
 
 def _measure(config: AttentionBenchConfig, pattern, backend: str, n: int, device: torch.device) -> dict:

@@ -37,7 +37,8 @@ NormPosition = Literal["post", "pre"]
 Norm = Literal["layernorm", "rmsnorm"]
 FFN = Literal["relu", "gelu", "swiglu", "geglu"]
 AttentionPattern = Literal["full", "sliding_window", "local_global", "strided", "topk", "low_rank"]
-AttentionBackend = Literal["sdpa", "explicit"]
+AttentionBackend = Literal["sdpa", "explicit", "flex"]
+Downsample = Literal["pool", "conv"]
 TieEmbeddings = Literal["none", "decoder", "all"]
 # "cls", "mean" and "last" for the Transformer classifier; "last", "mean" and "max" for the LSTM
 Pooling = Literal["cls", "mean", "last", "max"]
@@ -98,6 +99,13 @@ class ModelConfig:
     # learned key/value slots every self-attention query may attend to, ahead of the sequence's
     # keys (memory-augmented attention; x-transformers' num_mem_kv); 0: none
     memory_tokens: int = field(default=0, metadata=only_when("arch", "seq2seq", "classifier"))
+    # halve the encoder sequence after every downsample_every layers (Funnel-Transformer, Dai et
+    # al. 2020) by `downsample`: pool (mean of pairs) or conv (a learned stride-2 convolution);
+    # 0: never (model/downsample.py)
+    downsample_every: int = field(default=0, metadata=only_when("arch", "seq2seq", "classifier"))
+    downsample: Downsample = field(default="pool", metadata=only_when("arch", "seq2seq", "classifier"))
+    # sdpa (torch's fused kernels), explicit (written out; returns probabilities) or flex
+    # (torch.nn.attention.flex_attention, compiled per shape; torch >= 2.5; model/flex.py)
     attention_backend: AttentionBackend = "sdpa"
     scale_embeddings: bool = True
     tie_embeddings: TieEmbeddings = field(default="decoder", metadata=only_when("arch", "seq2seq"))
@@ -159,7 +167,10 @@ class ModelConfig:
             out += positive(self, "stride")
         if self.attention == "topk":
             out += positive(self, "topk")
-        out += non_negative(self, "memory_tokens")
+        out += non_negative(self, "memory_tokens", "downsample_every")
+        if self.attention_backend == "flex" and self.attention_dropout > 0:
+            out.append(f"model.attention_dropout: flex attention has no dropout, found {self.attention_dropout}; "
+                       "set it to 0 or use model.attention_backend = 'sdpa'")
         if self.attention == "low_rank":
             out += positive(self, "rank")
             if self.arch == "seq2seq":

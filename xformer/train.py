@@ -42,6 +42,7 @@ from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.instrument import PeakMemory, allocator_peak
 from xformer.model.dropout import use_fast_dropout
+from xformer.model.flex import unavailable as flex_unavailable
 from xformer.optim import build_optimizer, learning_rate
 from xformer.recipe_io import load_recipe
 from xformer.rundir import check_out_dir, check_tokenizer, clear_run_dir, mark_run_dir, tokenizer_digest
@@ -139,6 +140,12 @@ def run(
     out_dir = Path(out_dir)
     cfg = recipe.train
     rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
+    if recipe.model.arch != "lstm" and recipe.model.attention_backend == "flex":
+        if flex_unavailable():
+            raise RunError(f"model.attention_backend = 'flex': {flex_unavailable()}")
+        if rt.device.type == "cpu":
+            raise RunError("model.attention_backend = 'flex': torch's flex attention has no backward pass on a "
+                           "CPU; train with 'sdpa' (the same function) and evaluate with flex, or train on CUDA")
     recipe_path = Path(recipe_path) if recipe_path is not None else None
     where = dict(resume=resume, overwrite=overwrite, recipe_path=recipe_path)
     prepare_run_dir(out_dir, recipe, **where, check_only=True)  # before minutes of data loading

@@ -117,6 +117,12 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
         raise RunError(f"{run_dir}: model.attention = 'low_rank': its heads attend to learned mixtures of the "
                        "tokens, not to tokens, so head roles and maps over them mean nothing; inspect-heads "
                        "analyses models that attend to tokens")
+    if recipe.model.arch != "lstm" and recipe.model.downsample_every and \
+            recipe.model.downsample_every < recipe.model.n_encoder_layers:
+        raise RunError(f"{run_dir}: model.downsample_every = {recipe.model.downsample_every}: the encoder's later "
+                       "layers and the cross-attention attend to pooled pairs of positions, not to tokens, so "
+                       "head roles and maps over them mean nothing; inspect-heads analyses models without "
+                       "downsampling")
     checkpoint = checkpoint or recipe.eval.checkpoint
     subject = make_task(recipe).subject(run_dir, split=split, data=data, n_examples=config.n_examples,
                                         checkpoint=checkpoint, device=config.device)

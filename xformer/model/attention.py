@@ -27,6 +27,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xformer.model.banded import Front
+from xformer.model.flex import flex_attention, runs_on
 from xformer.model.patterns import PatternMask, self_attention_mask
 
 
@@ -245,9 +246,13 @@ class MultiHeadAttention(nn.Module):
                 q, k = self.rotary.rotate(q, past), self.rotary.rotate(k, past)
             if cache is not None:
                 k, v = cache.append(k, v)
+        probes = need_weights or self.on_probs is not None  # the probabilities are wanted
+        if self.backend == "flex" and cache is None and not probes and (self.score_hook is None or memory is not None) \
+                and runs_on(q):
+            return self._finish(self._flex(q, k, v, mask, is_causal, memory is not None), b, t), None
         if isinstance(mask, PatternMask):  # a self-attention's pattern, not yet a (T, S) matrix
             if mask.banded and memory is None and cache is None and self.score_hook is None \
-                    and self.key_projection is None and not need_weights and self.on_probs is None:
+                    and self.key_projection is None and not probes:
                 return self._finish(self._blocked(q, k, v, mask), b, t), None
             mask = mask.dense()
         if self.key_projection is not None:  # (B, K, S, Dh) -> (B, K, rank, Dh), padding zeroed first
@@ -326,6 +331,62 @@ class MultiHeadAttention(nn.Module):
         rows_bias = None if bias is None else bias(torch.arange(g, device=q.device), torch.arange(t, device=q.device))
         rows = self._dense_rows(q[:, :, :g], k, v, rows_mask, rows_bias)
         return torch.cat([rows, out[:, :, g:]], dim=2)
+
+    def _flex(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | PatternMask | None, is_causal: bool,
+              cross: bool) -> Tensor:
+        """Attention through flex (model/flex.py): the mask (a pattern's, or a boolean tensor's
+        entries), causality, the memory slots (M keys in front) and the position bias, each as
+        the elementwise function flex calls."""
+        if self.key_projection is not None:  # Linformer: every query sees the rank mixtures
+            k, v = self.key_projection(k, v, mask.dense() if isinstance(mask, PatternMask) else mask)
+            mask = None
+        rules, by_batch = [], False
+        if isinstance(mask, PatternMask):
+            allowed, pad = mask.pattern.allowed, mask.pad
+            if mask.pattern.QUERY_DEPENDENT:
+                rules.append(lambda b, qi, ki: allowed(qi, ki))
+            is_causal = is_causal or mask.causal
+            if pad is not None:
+                rules.append(lambda b, qi, ki: ~pad[b, ki])
+                by_batch = True
+        elif mask is not None:  # (B | 1, 1, T | 1, S) booleans
+            table = mask[:, 0]
+            one_b, one_t = table.size(0) == 1, table.size(1) == 1
+            rules.append(lambda b, qi, ki: table[0 if one_b else b, 0 if one_t else qi, ki])
+            by_batch = not one_b
+        if is_causal:
+            rules.append(lambda b, qi, ki: ki <= qi)
+        m = 0
+        if self.mem_k is not None and not cross:
+            m = self.mem_k.size(1)
+            k = torch.cat([self.mem_k.to(k.dtype).expand(q.size(0), -1, -1, -1), k], dim=2)
+            v = torch.cat([self.mem_v.to(v.dtype).expand(q.size(0), -1, -1, -1), v], dim=2)
+
+        def key(ki):  # a sequence key's own index, past the memory slots
+            return (ki - m).clamp(min=0) if m else ki
+
+        sees_itself = isinstance(mask, PatternMask)  # as self_attention_mask has it; not a cross-attention
+        mask_mod = None
+        if rules:
+            def mask_mod(b, h, qi, ki):
+                ok = rules[0](b, qi, key(ki))
+                for rule in rules[1:]:
+                    ok = ok & rule(b, qi, key(ki))
+                if sees_itself:
+                    ok = ok | (qi == key(ki))
+                return ok | (ki < m) if m else ok
+
+        score_mod = None
+        if self.score_bias is not None and not cross:  # a function of k - q: one row of offsets
+            t, s = q.size(2), k.size(2) - m
+            offsets = self._bias(torch.zeros(1, dtype=torch.long, device=q.device),
+                                 torch.arange(-(t - 1), s, device=q.device))[:, 0]  # (H, T + S - 1)
+
+            def score_mod(score, b, h, qi, ki):
+                shifted = score + offsets[h, key(ki) - qi + t - 1].to(score.dtype)
+                return torch.where(ki < m, score, shifted) if m else shifted
+
+        return flex_attention(q, k, v, mask_mod, score_mod, by_batch)
 
     def _dense_rows(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, bias: Tensor | None) -> Tensor:
         """Explicit attention of a few query rows over every key (and the memory slots)."""

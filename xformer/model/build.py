@@ -9,6 +9,7 @@ from torch import nn
 
 from xformer.config import ModelConfig
 from xformer.model.attention import MultiHeadAttention
+from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.lowrank import LowRankProjection
 from xformer.model.lstm import LSTMClassifier, match_hidden
 from xformer.model.norms import NORMS
@@ -86,7 +87,11 @@ def build_model(
     src_embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
     encoder_layers = [EncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
                       for _ in range(cfg.n_encoder_layers)]
-    encoder = wire(Encoder(embedder(src_embedding, positional(True)), encoder_layers, final_norm(), pattern))
+    every = cfg.downsample_every
+    downsample = {i: DOWNSAMPLERS[cfg.downsample](cfg.d_model) for i in range(cfg.n_encoder_layers - 1)
+                  if every and (i + 1) % every == 0}  # between layers: none after the last
+    encoder = wire(Encoder(embedder(src_embedding, positional(True)), encoder_layers, final_norm(), pattern,
+                           downsample))
 
     if cfg.arch == "classifier":
         if n_classes is None:

@@ -6,8 +6,8 @@
     "qk"          rotates every self-attention's queries and keys: rotate((B, H, T, Dh), offset)
                   (rope)
     "scores"      an additive bias on every self-attention's scores: bias(q, k) -> (H, T, S) for
-                  query positions q (T,) and key positions k (S,)
-                  (alibi, relative)
+                  query positions q (T,) and key positions k (S,), a function of k - q only,
+                  which the blocked kernels and flex rely on (alibi, relative)
     None          no position information at all (none)
 
 Positions of new queries start at `offset` (> 0 when decoding with a KV cache); keys of a

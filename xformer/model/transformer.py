@@ -19,6 +19,7 @@ import torch
 from torch import Tensor, nn
 
 from xformer.model.attention import KVCache, MultiHeadAttention
+from xformer.model.downsample import pooled_padding
 from xformer.model.feedforward import FFNS
 from xformer.model.masks import causal_mask, padding_mask
 from xformer.model.norms import NORMS
@@ -139,15 +140,24 @@ class Embedder(nn.Module):
 
 class Encoder(nn.Module):
     """Embedder, a stack of EncoderLayers, and a final norm for Pre-LN; `pattern` (patterns.py)
-    says which keys each query sees."""
+    says which keys each query sees; `downsample` maps a layer index to the module that halves
+    the sequence after that layer (model/downsample.py, Funnel-Transformer)."""
 
     def __init__(self, embed: Embedder, layers: list[EncoderLayer], final_norm: nn.Module | None = None,
-                 pattern: Full | None = None):
+                 pattern: Full | None = None, downsample: dict[int, nn.Module] | None = None):
         super().__init__()
         self.embed = embed
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm if final_norm is not None else nn.Identity()
         self.pattern = pattern or Full()
+        self.downsample = nn.ModuleDict({str(i): m for i, m in (downsample or {}).items()})
+
+    def output_padding(self, pad: Tensor, keep: int = 0) -> Tensor:
+        """The padding (B, S') of what forward returns for input padding `pad` (B, S), the first
+        `keep` positions (a prefix) never pooled: `pad` itself without downsampling."""
+        for _ in self.downsample:
+            pad = pooled_padding(pad, keep)
+        return pad
 
     def computes_rows(self) -> bool:
         """Whether the last layer may compute a few query rows alone (the classifier's pooled
@@ -164,14 +174,22 @@ class Encoder(nn.Module):
         covers the prefix too). With `rows` (B,): the last layer computes only position
         rows[b] of each sequence, -> (B, D)."""
         x = self.embed(tokens, prefix=prefix)
-        if not self.pattern.QUERY_DEPENDENT:
-            mask = padding_mask(pad)  # (B, 1, 1, S), computed once for every layer
-        else:  # the pattern and padding, spelt out (B, 1, S, S) only by a layer that needs the matrix
-            mask = PatternMask(self.pattern, x.size(1), pad, causal=False, device=x.device)
+        keep = 0 if prefix is None else prefix.size(1)
+        mask = self._mask(pad, x)
         for i, layer in enumerate(self.layers):
             x = layer(x, mask, rows if i == len(self.layers) - 1 else None)
+            if str(i) in self.downsample:
+                x, pad = self.downsample[str(i)](x, pad, keep)
+                mask = self._mask(pad, x)
         x = self.final_norm(x)
         return x if rows is None else x[:, 0]
+
+    def _mask(self, pad: Tensor, x: Tensor) -> Tensor | PatternMask:
+        """One mask for every layer at this length: padding (B, 1, 1, S), or the pattern with
+        it, spelt out (B, 1, S, S) only by a layer that needs the matrix."""
+        if not self.pattern.QUERY_DEPENDENT:
+            return padding_mask(pad)
+        return PatternMask(self.pattern, x.size(1), pad, causal=False, device=x.device)
 
 
 class DecoderCache:
@@ -250,7 +268,7 @@ class Seq2Seq(nn.Module):
     def encode(self, src: Tensor) -> tuple[Tensor, Tensor]:
         """src: (B, S) token ids -> memory (B, S, D) and its padding mask (B, S)."""
         pad = src.eq(self.pad_id)
-        return self.encoder(src, pad), pad
+        return self.encoder(src, pad), self.encoder.output_padding(pad)
 
     def decode(self, tgt: Tensor, memory: Tensor, memory_pad: Tensor,
                cache: DecoderCache | None = None) -> Tensor:
@@ -309,14 +327,14 @@ class Classifier(nn.Module):
             else:
                 pooled = self.encoder(tokens, pad, prefix=self.cls)[:, 0]  # (B, D)
         elif self.pooling == "last":  # the final state of the last real token (right padding)
-            last = (~pad).sum(1).clamp(min=1) - 1  # (B,)
+            last = (~self.encoder.output_padding(pad)).sum(1).clamp(min=1) - 1  # (B,) after any downsampling
             if self._last_row_only():
                 pooled = self.encoder(tokens, pad, rows=last)  # (B, D)
             else:
                 h = self.encoder(tokens, pad)  # (B, S, D)
                 pooled = h[torch.arange(h.size(0), device=h.device), last]
         else:  # mean over real positions
-            h = self.encoder(tokens, pad)  # (B, S, D)
-            keep = (~pad).unsqueeze(-1).to(h.dtype)
+            h = self.encoder(tokens, pad)  # (B, S', D)
+            keep = (~self.encoder.output_padding(pad)).unsqueeze(-1).to(h.dtype)
             pooled = (h * keep).sum(1) / keep.sum(1).clamp(min=1.0)
         return self.head(self.drop(pooled))
