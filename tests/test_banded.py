@@ -24,7 +24,8 @@ def test_some_patterns_run_banded():
 
 @pytest.mark.parametrize("causal", [False, True])
 @pytest.mark.parametrize("t,window,block", [(13, 3, 4), (5, 3, 2), (4, 9, 3), (16, 1, 4)])
-def test_the_kernel_is_the_naive_windowed_sum(causal, t, window, block):
+@pytest.mark.parametrize("sdpa", [None, 0.0])
+def test_the_kernel_is_the_naive_windowed_sum(causal, t, window, block, sdpa):
     torch.manual_seed(0)
     b, h, kv, dh = 2, 4, 2, 8
     q, k, v = torch.randn(b, h, t, dh, dtype=torch.float64), *torch.randn(2, b, kv, t, dh, dtype=torch.float64)
@@ -33,7 +34,7 @@ def test_the_kernel_is_the_naive_windowed_sum(causal, t, window, block):
     def bias(qp, kp):
         return -slopes[:, None, None] * (qp[:, None] - kp[None, :]).abs()
 
-    out = banded_attention(q, k, v, window, causal=causal, bias=bias, block=block)
+    out = banded_attention(q, k, v, window, causal=causal, bias=bias, block=block, sdpa_dropout=sdpa)
     allowed = naive_allowed("sliding_window", t, t, 0, causal, window=window)
     expected = naive_biased_attention(q, k, v, allowed, bias(torch.arange(t), torch.arange(t)))
     torch.testing.assert_close(out, expected)
@@ -48,11 +49,12 @@ def positional_bias(name: str, causal: bool):
 CASES = list(itertools.product(BANDED, [False, True], [4, 1], [None, "alibi", "relative"], [0, 3]))
 
 
+@pytest.mark.parametrize("backend", ["explicit", "sdpa"])  # the written-out blocks, or SDPA over them
 @pytest.mark.parametrize("name,causal,kv,position,memory", CASES)
-def test_banded_attention_equals_dense_attention_forward_and_backward(name, causal, kv, position, memory):
+def test_banded_attention_equals_dense_attention_forward_and_backward(name, causal, kv, position, memory, backend):
     torch.manual_seed(0)
     pattern = make_pattern(name, window=WINDOW, global_tokens=GLOBAL, stride=STRIDE)
-    attention = MultiHeadAttention(16, 4, kv, memory_tokens=memory, backend="explicit").double()
+    attention = MultiHeadAttention(16, 4, kv, memory_tokens=memory, backend=backend).double()
     attention.init_fairseq_()
     if position is not None:
         attention.score_bias = positional_bias(position, causal).double()
@@ -64,6 +66,7 @@ def test_banded_attention_equals_dense_attention_forward_and_backward(name, caus
     x = torch.randn(2, t, 16, dtype=torch.float64, requires_grad=True)
     banded = attention(x, mask=lazy)[0]
     grads = torch.autograd.grad(banded.square().sum(), [x, *attention.parameters()])
+    attention.backend = "explicit"  # the reference: the masked dense matrix, written out
     dense = attention(x, mask=self_attention_mask(pattern, t, t, 0, causal=causal, pad=pad))[0]
     expected = torch.autograd.grad(dense.square().sum(), [x, *attention.parameters()])
     torch.testing.assert_close(banded, dense)

@@ -323,8 +323,9 @@ class MultiHeadAttention(nn.Module):
             front = Front(torch.cat([f.k for f in fronts], 2), torch.cat([f.v for f in fronts], 2),
                           torch.cat([f.visible.expand(b, t, -1) for f in fronts], 2),
                           None if bias is None else torch.cat([f.bias.expand(q.size(1), t, -1) for f in fronts], 2))
+        sdpa = None if self.backend == "explicit" else (self.dropout if self.training else 0.0)
         out = pattern.blocked(q, k, v, causal=mask.causal, key_pad=mask.pad, bias=bias, front=front,
-                              drop=self.attn_drop)
+                              drop=self.attn_drop, sdpa_dropout=sdpa)
         if not g:
             return out
         rows_mask = self_attention_mask(pattern, g, t, 0, causal=mask.causal, pad=mask.pad, device=q.device)

@@ -51,7 +51,8 @@ class Full:
         return False
 
     def blocked(self, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
-        """The pattern's own kernel, without the (T, S) matrix: banded_attention's arguments."""
+        """The pattern's own kernel, without the (T, S) matrix: banded_attention's arguments
+        (`sdpa_dropout` a float: blocks through SDPA where the kernel can, with that dropout)."""
         raise NotImplementedError(f"{type(self).__name__} has no blocked kernel")
 
     def scored_keys(self, n: int) -> int:
@@ -103,8 +104,8 @@ class Strided(Full):
     def banded(self, n: int) -> bool:
         return n >= 4 * self.stride
 
-    def blocked(self, q: Tensor, k: Tensor, v: Tensor, **options) -> Tensor:
-        return strided_attention(q, k, v, self.stride, **options)
+    def blocked(self, q: Tensor, k: Tensor, v: Tensor, sdpa_dropout: float | None = None, **options) -> Tensor:
+        return strided_attention(q, k, v, self.stride, **options)  # written out: its columns are per query
 
     def scored_keys(self, n: int) -> int:
         return 3 * self.stride - 2 + -(-n // self.stride) if self.banded(n) else n
