@@ -335,3 +335,17 @@ def test_a_sweep_trains_each_named_variant_of_the_transformer(tmp_path):
         sweep.write_text(sweep.read_text().split("[sweep.variants]")[0] + f"[sweep.variants]\n{bad}\n")
         result = runner.invoke(app, ["longrange", str(sweep), "--out", str(tmp_path / "other")])
         assert result.exit_code == 2 and expected in result.output, result.output
+
+
+def test_a_sweep_may_set_every_run_s_batch_and_validation_interval(tmp_path):
+    from xformer.longrange import row_recipe
+
+    sweep = write_sweep(tmp_path, [24], [1], 3)
+    sweep.write_text(sweep.read_text() + "max_tokens = 512\nvalid_every = 7\n")
+    loaded = load_sweep(sweep)
+    for model in loaded.models:
+        recipe = row_recipe(loaded, model, 24, 1)
+        assert (recipe.data.max_tokens, recipe.train.valid_every) == (512, 7)
+    sweep.write_text(sweep.read_text().replace("valid_every = 7", "valid_every = -1"))
+    result = runner.invoke(app, ["longrange", str(sweep)])
+    assert result.exit_code == 2 and "sweep.valid_every: expected a number >= 0, found -1" in result.output

@@ -8,6 +8,8 @@ A sweep file names the two recipes and the grid:
     lengths = [64, 128, 256, 512, 1024]        # data.max_len of each row
     seeds = [1, 2]                             # train.seed (the data stay those of data.seed)
     max_time = 2.0                             # minutes of training per run (or max_steps)
+    max_tokens = 4096                          # optional: data.max_tokens of every run
+    valid_every = 200                          # optional: train.valid_every of every run
     match_parameters = true                    # LSTM hidden size set to the Transformer's count
 
     [sweep.variants]                           # optional: more models, each the transformer
@@ -70,6 +72,8 @@ class SweepConfig:
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     max_steps: int = 0  # per run; 0: no step limit
     max_time: float = 0.0  # minutes of training per run; 0: no time limit
+    max_tokens: int = 0  # data.max_tokens (padded tokens per batch) of every run; 0: the recipes' own
+    valid_every: int = 0  # train.valid_every of every run; 0: the recipes' own
     match_parameters: bool = True
 
     def problems(self) -> list[str]:
@@ -81,8 +85,8 @@ class SweepConfig:
             out.append(f"sweep.lengths: expected positive lengths, found {self.lengths}")
         if not self.seeds:
             out.append("sweep.seeds: expected at least one seed, found none")
-        if self.max_steps < 0 or self.max_time < 0:
-            out.append("sweep.max_steps, sweep.max_time: expected numbers >= 0")
+        out += [f"sweep.{k}: expected a number >= 0, found {getattr(self, k)}"
+                for k in ("max_steps", "max_time", "max_tokens", "valid_every") if getattr(self, k) < 0]
         if self.max_steps == 0 and self.max_time == 0:
             out.append("sweep.max_time: expected sweep.max_steps or sweep.max_time to be positive (the budget "
                        "of each run), found both 0")
@@ -199,6 +203,10 @@ def row_recipe(sweep: Sweep, model: str, length: int, seed: int) -> Recipe:
     cfg = sweep.config
     sets = [f"data.max_len={length}", f"train.seed={seed}", f"train.max_steps={cfg.max_steps}",
             f"train.max_time={cfg.max_time}", "train.max_epochs=0"]
+    if cfg.max_tokens:
+        sets.append(f"data.max_tokens={cfg.max_tokens}")
+    if cfg.valid_every:
+        sets.append(f"train.valid_every={cfg.valid_every}")
     if base.model.max_positions < length + 1:
         sets.append(f"model.max_positions={length + 1}")
     if model == "lstm" and cfg.match_parameters:
@@ -301,7 +309,9 @@ def _run_state(run_dir: Path) -> str:
 
 def _pin_sweep(sweep: Sweep, out_dir: Path) -> None:
     """Save the sweep's resolved settings; a resumed sweep must have the same ones."""
-    pinned = {"config": {k: getattr(sweep.config, k) for k in ("max_steps", "max_time", "match_parameters")},
+    keys = ("max_steps", "max_time", "match_parameters") + tuple(k for k in ("max_tokens", "valid_every")
+                                                                 if getattr(sweep.config, k))
+    pinned = {"config": {k: getattr(sweep.config, k) for k in keys},
               "recipes": {m: sweep.recipes[m].to_dict() for m in MODELS}}
     if sweep.variants:  # (absent without variants, so a sweep started before they existed still matches)
         pinned["variants"] = sweep.variants
