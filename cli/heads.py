@@ -121,12 +121,15 @@ def heads_table(report: HeadsReport) -> Table:
                         f"{report.n_examples} examples)", header_style="bold", box=box.SIMPLE_HEAD,
                   expand=True, collapse_padding=True, pad_edge=False,
                   caption="grad.: gradient importance; conf.: confidence (mean max weight)")
-    for column in ("attention", "head", "ablation", "grad.", "conf.", "entropy", "special"):
+    slots = any("memory" in h for h in report.heads)  # a model with memory slots: their share per head
+    for column in ("attention", "head", "ablation", "grad.", "conf.", "entropy", "special") + (("memory",) * slots):
         table.add_column(column, justify="left" if column == "attention" else "right", no_wrap=True,
                          min_width=len(column))
     table.add_column("roles", ratio=1, min_width=8)
     for h in sorted(report.heads, key=lambda h: -h["ablation"]):
         space = h["space"].replace("encoder", "enc").replace("decoder", "dec")
+        memory = (f"{h.get('memory', 0.0):.2f}",) * slots
         table.add_row(f"{space} L{h['layer']}", str(h["head"]), f"{h['ablation']:+.4f}", f"{h['gradient']:.3f}",
-                      f"{h['confidence']:.2f}", f"{h['entropy']:.2f}", f"{h['special']:.2f}", ", ".join(h["roles"]))
+                      f"{h['confidence']:.2f}", f"{h['entropy']:.2f}", f"{h['special']:.2f}", *memory,
+                      ", ".join(h["roles"]))
     return table

@@ -118,3 +118,29 @@ def test_decoding_reads_the_compressed_memory():
         for start in range(7):
             steps.append(model.decode(tgt[:, start:start + 1], memory, pad, cache))
         torch.testing.assert_close(torch.cat(steps, 1), model(src, tgt), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("changes", [
+    {"attention": "sliding_window", "window": 3, "positional": "alibi", "memory_tokens": 2},
+    {"attention": "local_global", "window": 3, "global_tokens": 1, "positional": "relative", "n_kv_heads": 2},
+    {"attention": "strided", "stride": 2, "positional": "rope", "norm_position": "pre", "norm": "rmsnorm"},
+])
+@pytest.mark.parametrize("arch", ["seq2seq", "classifier"])
+def test_downsampling_combines_with_patterns_positions_and_memory(changes, arch):
+    torch.manual_seed(0)
+    extra = {"arch": arch, "pooling": "cls"} if arch == "classifier" else {}
+    model = build_model(tiny(n_encoder_layers=3, downsample_every=1, **changes, **extra), V,
+                        **({"n_classes": 3} if arch == "classifier" else {})).eval()
+    src, tgt = torch.randint(4, V, (2, 40)), torch.randint(4, V, (2, 6))  # 40 -> 20 -> 10: banded where it pays
+    src[1, 30:] = 0
+    padded = torch.cat([src, torch.zeros(2, 8, dtype=torch.long)], dim=1)
+    with torch.no_grad():
+        if arch == "classifier":
+            torch.testing.assert_close(model(padded), model(src), atol=1e-5, rtol=1e-5)
+            return
+        full = model(src, tgt)
+        torch.testing.assert_close(model(padded, tgt), full, atol=1e-5, rtol=1e-5)
+        memory, pad = model.encode(src)
+        cache = model.new_cache()
+        steps = [model.decode(tgt[:, i:i + 1], memory, pad, cache) for i in range(6)]
+        torch.testing.assert_close(torch.cat(steps, 1), full, atol=1e-5, rtol=1e-4)

@@ -76,6 +76,26 @@ def test_the_positional_detector_finds_exactly_the_previous_token_head():
     assert head["distance"] == pytest.approx(((T - 1) + (T - 1) / 2) / T, abs=1e-3)
 
 
+def test_a_head_that_reads_its_memory_slots_is_found_and_its_token_roles_survive():
+    """Memory slots (model.memory_tokens) are not tokens: each head reports its share on them,
+    and the token statistics read the token probabilities renormalised."""
+    cfg, plain = previous_token_model()
+    cfg = dataclasses.replace(cfg, memory_tokens=2)
+    model = build_model(cfg, 20, n_classes=3).eval()
+    model.load_state_dict(plain.state_dict(), strict=False)
+    attn = model.encoder.layers[0].self_attn
+    with torch.no_grad():  # head 1's query is a constant 5s vector: slots of 5s win, slots of -5s lose
+        dh = attn.head_dim
+        attn.q_proj.weight[dh:].zero_()
+        attn.q_proj.bias[dh:] = 5.0
+        attn.k_proj.weight[dh:].zero_()
+        attn.mem_k[1] = 5.0
+        attn.mem_k[0] = -5.0  # head 0 (previous token) never looks at them
+    heads = collect(subject_for(model, cfg), attention_modules(model))["heads"]["encoder.0.self_attn"]
+    assert heads[1]["memory"] > 0.99 and "memory" in heads[1]["roles"]
+    assert heads[0]["memory"] < 1e-6 and heads[0]["roles"] == ["positional-1"]  # as without slots
+
+
 def test_rare_word_rate_counts_the_argmax_on_the_rarest_key():
     cfg, model = previous_token_model()
     subject = subject_for(model, cfg, n=4)

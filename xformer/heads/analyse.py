@@ -109,10 +109,6 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
         raise RunError(f"save_pruned: {save_pruned} exists and is not empty; choose a new directory")
     started = time.perf_counter()
     recipe = load_run_recipe(run_dir)
-    if recipe.model.arch != "lstm" and recipe.model.memory_tokens:
-        raise RunError(f"{run_dir}: model.memory_tokens = {recipe.model.memory_tokens}: the memory slots are "
-                       "learned vectors, not tokens of the input, so head roles and maps over them mean nothing; "
-                       "inspect-heads analyses models without memory tokens")
     if recipe.model.arch != "lstm" and recipe.model.attention == "low_rank":
         raise RunError(f"{run_dir}: model.attention = 'low_rank': its heads attend to learned mixtures of the "
                        "tokens, not to tokens, so head roles and maps over them mean nothing; inspect-heads "
@@ -300,6 +296,8 @@ def _criteria() -> dict:
                          f"{stats.RARE_MIN_RATIO:g}x the uniform chance rate and >= "
                          f"{stats.RARE_MIN_RATE:.0%} of queries",
             "special": f">= {stats.SPECIAL_MIN:.0%} of attention mass on BOS/EOS/CLS",
+            "memory": f">= {stats.MEMORY_MIN:.0%} of attention mass on the memory slots (model.memory_tokens); "
+                      "the other statistics of such heads read their token probabilities renormalised",
             "similarity": f"Jensen-Shannon (base 2) between heads of one space; average-linkage clusters "
                           f"below {stats.CLUSTER_MAX_JS}",
             "importance": "ablation: metric change with the head's output replaced by zero or by its mean output, "

@@ -13,7 +13,10 @@ Role criteria (also written into heads.json):
   as often as a uniformly random choice among the keys would, and for at least RARE_MIN_RATE
   (25%) of queries; measured where every key is visible (encoder self- and cross-attention);
 - no-op / special (Clark et al. 2019, arXiv:1906.04341): at least SPECIAL_MIN (50%) of the
-  mass on special tokens (BOS/EOS, the classifier's CLS slot) on average.
+  mass on special tokens (BOS/EOS, the classifier's CLS slot) on average;
+- memory: with memory slots (model.memory_tokens), at least MEMORY_MIN (50%) of the mass on
+  the slots on average (the slots act as a no-op sink); every other statistic of such a site
+  reads the token probabilities renormalised, and each head reports its mean `memory` share.
 Similarity: Jensen-Shannon divergence (base 2, in [0, 1]) between two heads' distributions at
 the same query, averaged over queries, for heads reading the same query x key space; clusters
 by average linkage, merged while the mean divergence stays below CLUSTER_MAX_JS.
@@ -33,6 +36,7 @@ OFFSETS = (-1, 0, 1)
 RARE_MIN_RATIO = 3.0
 RARE_MIN_RATE = 0.25
 SPECIAL_MIN = 0.50
+MEMORY_MIN = 0.50
 CLUSTER_MAX_JS = 0.3
 LN2 = float(np.log(2.0))
 
@@ -40,14 +44,24 @@ LN2 = float(np.log(2.0))
 @contextmanager
 def capture(sites: dict):
     """Within the block, every forward of the attention modules `sites` (name -> module) runs
-    the explicit path and leaves its probabilities (B, H, T, S) in the first yielded dict and
-    the heads' outputs (B, T, H * Dh), the input of out_proj, in the second."""
+    the explicit path and leaves its probabilities (B, H, T, S) over the tokens in the first
+    yielded dict, the heads' outputs (B, T, H * Dh), the input of out_proj, in the second and,
+    for a site with memory slots, each query's share of attention on the slots (B, H, T) in the
+    third; its token probabilities are then renormalised (given that the head reads tokens)."""
     maps: dict[str, torch.Tensor] = {}
     outputs: dict[str, torch.Tensor] = {}
+    memory: dict[str, torch.Tensor] = {}
 
     def keeper(name):
+        slots = sites[name].mem_k.size(1) if sites[name].mem_k is not None else 0
+
         def keep(probs):
-            maps[name] = probs.detach().float()
+            probs = probs.detach().float()
+            if slots:
+                memory[name] = probs[..., :slots].sum(-1)
+                probs = probs[..., slots:]
+                probs = probs / probs.sum(-1, keepdim=True).clamp(min=1e-12)
+            maps[name] = probs
         return keep
 
     def output_keeper(name):
@@ -60,7 +74,7 @@ def capture(sites: dict):
         module.on_probs = keeper(name)
         hooks.append(module.out_proj.register_forward_pre_hook(output_keeper(name)))
     try:
-        yield maps, outputs
+        yield maps, outputs, memory
     finally:
         for module in sites.values():
             module.on_probs = None
@@ -76,6 +90,7 @@ class SiteStats:
         self.queries = 0
         self.sums = {name: torch.zeros(n_heads, dtype=torch.float64) for name in
                      ("entropy", "confidence", "special", "punct", "distance")}
+        self.memory: torch.Tensor | None = None  # summed share on memory slots, sites that have them
         self.offset_hits = {o: torch.zeros(n_heads, dtype=torch.float64) for o in OFFSETS}
         self.rare_hits = torch.zeros(n_heads, dtype=torch.float64)
         self.rare_chance, self.rare_queries = 0.0, 0
@@ -83,9 +98,9 @@ class SiteStats:
         self.steps = 0
 
     def update(self, probs: torch.Tensor, tokens: SiteTokens, special: torch.Tensor, punct: torch.Tensor,
-               rarest: torch.Tensor | None) -> None:
+               rarest: torch.Tensor | None, memory: torch.Tensor | None = None) -> None:
         """probs: (B, H, T, S); special, punct, rarest: (B, S) booleans over keys (rarest: None
-        where keys are not all visible)."""
+        where keys are not all visible); memory: (B, H, T) share on memory slots, or None."""
         real_q = tokens.queries.ne(-1)  # (B, T)
         real_k = tokens.keys.ne(-1)  # (B, S)
         q = real_q[:, None, :].expand(-1, probs.size(1), -1)  # (B, H, T)
@@ -96,6 +111,9 @@ class SiteStats:
             self.sums[name] += per_query.masked_fill(~q, 0).sum((0, 2)).double()
 
         add("entropy", -torch.special.xlogy(probs, probs).sum(-1) / LN2)
+        if memory is not None:
+            share = memory.masked_fill(~q, 0).sum((0, 2)).double()
+            self.memory = share if self.memory is None else self.memory + share
         top, argmax = probs.max(-1)  # (B, H, T)
         add("confidence", top)
         add("special", (probs * special[:, None, None, :]).sum(-1))
@@ -131,6 +149,10 @@ class SiteStats:
         for h in range(len(self.sums["entropy"])):
             head = {name: float(total[h] / n) for name, total in self.sums.items()}
             roles = []
+            if self.memory is not None:
+                head["memory"] = float(self.memory[h] / n)
+                if head["memory"] >= MEMORY_MIN:
+                    roles.append("memory")
             if self.space != "cross":
                 rates = {o: float(self.offset_hits[o][h] / n) for o in OFFSETS}
                 head["offset_rates"] = {str(o): r for o, r in rates.items()}
@@ -218,7 +240,7 @@ def collect(subject: Subject, sites: dict, keep_examples: int = 3, contributions
     grams = {site: torch.zeros(m.n_heads, m.n_heads, dtype=torch.float64) for site, m in sites.items()}
     was_training = subject.model.training
     subject.model.eval()
-    with torch.no_grad(), capture(sites) as (maps, outputs):
+    with torch.no_grad(), capture(sites) as (maps, outputs, memory):
         for batch in subject.batches:
             subject.forward(batch)
             for site, probs in maps.items():
@@ -230,7 +252,7 @@ def collect(subject: Subject, sites: dict, keep_examples: int = 3, contributions
                     grams[site] += _contribution_gram(sites[site], real_outputs)
                 key_side = subject.side(site, "key")
                 special, punct, rarest = _key_masks(subject, tokens.keys, key_side, site_space(site) != "decoder")
-                stats[site].update(probs, tokens, special, punct, rarest)
+                stats[site].update(probs, tokens, special, punct, rarest, memory.get(site))
             for space, names in by_space.items():
                 tokens = subject.site_tokens(names[0], batch)
                 similarity[space].update(torch.cat([maps[s] for s in names], dim=1), tokens.queries.ne(-1))
