@@ -25,6 +25,7 @@ from xformer import config
 from xformer.errors import XformerError
 from xformer.heads.analyse import ABLATIONS, IMPORTANCE_METRICS, PRUNE_ORDERS
 from xformer.model.patterns import PATTERNS
+from xformer.quantize import QUANTIZE
 
 console = Console(stderr=True)  # progress, messages and warnings
 stdout = Console()  # results: tables and lines a user may pipe
@@ -56,6 +57,7 @@ PruneOrder = choices("PruneOrder", PRUNE_ORDERS)
 Side = choices("Side", ("source", "target"))
 Pattern = choices("Pattern", PATTERNS)
 Backend = choices("Backend", typing.get_args(config.AttentionBackend))
+Quantize = choices("Quantize", QUANTIZE)
 
 # Options several commands take, spelled once.
 SetOption = Annotated[list[str], typer.Option(

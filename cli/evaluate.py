@@ -17,6 +17,7 @@ from xformer_cli.common import (
     CheckpointOption,
     DeviceOption,
     JsonOption,
+    Quantize,
     RunArgument,
     console,
     flags_named,
@@ -28,6 +29,8 @@ from xformer_cli.display import score_table
 BeamOption = Annotated[int | None, typer.Option("--beam", min=1, help="Beam size; 1 is greedy [default: eval.beam].")]
 LenpenOption = Annotated[float | None, typer.Option("--lenpen", min=0.0,
                                                     help="Length penalty [default: eval.lenpen].")]
+QuantizeOption = Annotated[Quantize | None, typer.Option("--quantize", help="Quantize the Linear layers for "
+                                                                           "inference on the CPU.")]
 
 
 @user_errors
@@ -40,14 +43,15 @@ def evaluate(
     lenpen: LenpenOption = None,
     checkpoint: CheckpointOption = None,
     device: DeviceOption = "auto",
+    quantize: QuantizeOption = None,
     as_json: JsonOption = False,
 ) -> None:
     """Score a run on a test set: translation with beam search, sacreBLEU (cased and lowercased)
     and chrF; classification with accuracy and a confusion matrix."""
-    with flags_named("split", "data", "device"), Progress(console=console, transient=True) as progress:
+    with flags_named("split", "data", "device", "quantize"), Progress(console=console, transient=True) as progress:
         bar = progress.add_task("decoding", total=None)
         result = evaluate_run(run, split=split, data=data, beam=beam, lenpen=lenpen, checkpoint=checkpoint,
-                              device=device,
+                              device=device, quantize=quantize.value if quantize else None,
                               on_progress=lambda done, total: progress.update(bar, completed=done, total=total))
     if as_json:
         typer.echo(result.to_json(indent=None))
@@ -60,7 +64,7 @@ def evaluate(
 def show_translation(run: Path, result: TranslationEval) -> None:
     rows = {"bleu": result.bleu, "bleu_lc": result.bleu_lc, "chrf": result.chrf, "n_sentences": result.n_sentences,
             "checkpoint": result.checkpoint, "beam": result.beam, "lenpen": result.lenpen,
-            "sentences/s": result.sentences_per_s}
+            "sentences/s": result.sentences_per_s, **({"quantize": result.quantize} if result.quantize else {})}
     stdout.print(score_table(f"{run}: {result.split or result.data}", rows))
     stdout.print(f"[dim]{result.signature}[/dim]\n[dim]hypotheses: {result.hypotheses}[/dim]")
 
@@ -89,6 +93,7 @@ def translate(
     lenpen: LenpenOption = None,
     checkpoint: CheckpointOption = None,
     device: DeviceOption = "auto",
+    quantize: QuantizeOption = None,
 ) -> None:
     """Translate sentences from stdin or --input, one per line, to stdout."""
     if input is not None and not input.exists():
@@ -101,8 +106,8 @@ def translate(
         raise DataError(f"{input or 'stdin'}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
     lines = text.splitlines()
     warn = lambda message: typer.echo(f"warning: {message}", err=True)  # noqa: E731
-    with flags_named("device"):
+    with flags_named("device", "quantize"):
         translations = translate_lines(run, lines, checkpoint=checkpoint, beam=beam, lenpen=lenpen, device=device,
-                                       on_warning=warn)
+                                       on_warning=warn, quantize=quantize.value if quantize else None)
     for line in translations:
         typer.echo(line)

@@ -127,3 +127,35 @@ def test_translate_keeps_blank_lines_blank_warns_on_cut_lines_and_reads_pipes(tr
     writer.join()
     assert piped.exit_code == 0, piped.output
     assert piped.stdout.strip() == out[0]
+
+
+def test_int8_scores_in_files_of_its_own_and_stays_close_to_fp32(trained):
+    """--quantize int8 replaces every Linear by a dynamically quantized one; its results carry
+    .int8 in their names, and RUN/eval.json keeps the model as trained."""
+    import torch
+
+    from xformer.recipe_io import load_run_recipe
+    from xformer.tasks import make_task
+
+    plain = runner.invoke(app, ["eval", str(trained), "--split", "test", "--beam", "1", "--json"])
+    summary = (trained / "eval.json").read_bytes()
+    int8 = runner.invoke(app, ["eval", str(trained), "--split", "test", "--beam", "1", "--quantize", "int8",
+                               "--json"])
+    assert plain.exit_code == 0 and int8.exit_code == 0, int8.output
+    report = json.loads(int8.stdout)
+    assert report["quantize"] == "int8" and ".int8." in report["hypotheses"]
+    assert report["hypotheses"] != json.loads(plain.stdout)["hypotheses"]
+    assert (trained / "eval.json").read_bytes() == summary
+    task = make_task(load_run_recipe(trained))
+    model, _ = task.open_run(trained, "best", "cpu")
+    quantized, _ = task.open_run(trained, "best", "cpu", quantize="int8")
+    assert not any(type(m) is torch.nn.Linear for m in quantized.modules())
+    src, tgt = torch.randint(4, 50, (3, 7)), torch.randint(4, 50, (3, 5))
+    with torch.no_grad():
+        exact, approx = model(src, tgt), quantized(src, tgt)
+    assert (approx - exact).abs().max() < 0.1 * exact.abs().max()  # int8 weights: close, not equal
+    translated = runner.invoke(app, ["translate", str(trained), "--quantize", "int8", "--beam", "1"],
+                               input="Ein Hund.\n")
+    assert translated.exit_code == 0 and len(translated.stdout.splitlines()) == 1
+    refused = runner.invoke(app, ["eval", str(trained), "--quantize", "int4"])
+    assert refused.exit_code == 2 and "'int4' is not one of" in refused.output

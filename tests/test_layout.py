@@ -14,7 +14,7 @@ LAYERS = [
      "xformer.results"],
     ["xformer.config"],
     ["xformer.model", "xformer.data", "xformer.checkpoint", "xformer.runtime", "xformer.optim", "xformer.losses",
-     "xformer.rundir", "xformer.decode", "xformer.instrument"],
+     "xformer.rundir", "xformer.decode", "xformer.instrument", "xformer.quantize"],
     ["xformer.tasks"],
     ["xformer.recipe_io", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
      "xformer.tokenizing", "xformer.check", "xformer.bench"],

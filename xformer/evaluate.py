@@ -21,21 +21,22 @@ from xformer.tasks.base import EvalRequest
 def evaluate_run(
     run_dir: str | Path, *, split: str | None = None, data: str | None = None, beam: int | None = None,
     lenpen: float | None = None, checkpoint: str | None = None, device: str = "auto",
-    on_progress: Callable[[int, int], None] | None = None,
+    on_progress: Callable[[int, int], None] | None = None, quantize: str | None = None,
 ) -> TranslationEval | ClassificationEval:
     """Score the run on `split` (default: the recipe's test split) or on `data` (a JSONL file
     or folder with the recipe's fields). beam and lenpen apply to translation runs; None means
-    the recipe's [eval] value."""
+    the recipe's [eval] value. quantize "int8": Linear layers in dynamic int8 (CPU); its files
+    carry ".int8" in their names and RUN/eval.json stays the model's as trained."""
     run_dir = Path(run_dir)
     task = make_task(load_run_recipe(run_dir))
     request = EvalRequest(split=split, data=data, checkpoint=checkpoint, device=device, beam=beam, lenpen=lenpen,
-                          on_progress=on_progress)
+                          on_progress=on_progress, quantize=quantize)
     return task.evaluate(run_dir, request)
 
 
 def translate_lines(run_dir: str | Path, lines: list[str], *, checkpoint: str | None = None,
                     beam: int | None = None, lenpen: float | None = None, device: str = "auto",
-                    on_warning: Callable[[str], None] | None = None) -> list[str]:
+                    on_warning: Callable[[str], None] | None = None, quantize: str | None = None) -> list[str]:
     """Translate raw sentences with a trained run; the recipe's [eval] settings by default.
     A blank line stays blank (nothing is decoded for it); a line longer than the model's
     positions is translated from its first model.max_positions - 1 pieces, and `on_warning`
@@ -43,4 +44,4 @@ def translate_lines(run_dir: str | Path, lines: list[str], *, checkpoint: str | 
     run_dir = Path(run_dir)
     task = make_task(load_run_recipe(run_dir))
     return task.predict(run_dir, lines, checkpoint=checkpoint, beam=beam, lenpen=lenpen, device=device,
-                        on_warning=on_warning)
+                        on_warning=on_warning, quantize=quantize)

@@ -40,6 +40,7 @@ class TranslationEval(Result):
     decode_seconds: float
     sentences_per_s: float
     hypotheses: str  # the file of hypotheses, one per line
+    quantize: str | None = None  # "int8" when scored with quantized Linear layers
 
 
 @dataclass
@@ -56,6 +57,7 @@ class ClassificationEval(Result):
     majority_accuracy: float  # percent, always predicting the most frequent label
     predictions: str  # the file of predicted labels, one per line
     confusion: list[list[int]] | None = None  # [true][predicted]; None above 20 classes
+    quantize: str | None = None  # "int8" when scored with quantized Linear layers
 
 
 @dataclass

@@ -39,6 +39,7 @@ from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.events import Event
 from xformer.model.build import build_model
+from xformer.quantize import quantize_model
 from xformer.rundir import check_tokenizer
 from xformer.runtime import Runtime, resolve_runtime
 from xformer.strict import positive
@@ -79,6 +80,7 @@ class EvalRequest:
     device: str = "auto"
     beam: int | None = None  # translation only
     lenpen: float | None = None  # translation only
+    quantize: str | None = None  # "int8": dynamic int8 Linear layers on the CPU (xformer/quantize.py)
     on_progress: Any = None  # Callable[[done, total], None]
 
 
@@ -125,17 +127,19 @@ class Task:
         raise NotImplementedError
 
     def open_run(self, run_dir: str | Path, checkpoint: str, device: str = "auto",
-                 precision: str = "auto"):
-        """(model on its device in eval mode, runtime) of a trained run's checkpoint."""
+                 precision: str = "auto", quantize: str | None = None):
+        """(model on its device in eval mode, runtime) of a trained run's checkpoint, its Linear
+        layers quantized with `quantize` ("int8", CPU only: then in fp32 around them)."""
         run_dir = Path(run_dir)
         self.load_vocabulary(run_dir)
         path = run_checkpoint(run_dir, checkpoint)
         tensors, meta = read_checkpoint(path)
         check_tokenizer(run_dir, path, meta)
-        rt = resolve_runtime(device, precision, training=False)
+        rt = resolve_runtime(device, "fp32" if quantize else precision, training=False)
         model = self.build_model(init=False)
         load_model_weights(model, tensors, path)
-        return model.to(rt.device).eval(), rt
+        model = model.to(rt.device).eval()
+        return (quantize_model(model, quantize, rt.device) if quantize else model), rt
 
     def evaluate(self, run_dir: Path, request: EvalRequest):
         raise NotImplementedError

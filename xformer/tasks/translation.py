@@ -197,7 +197,7 @@ class TranslationTask(Task):
         """Translate a split (default: the recipe's test split) or request.data and score it."""
         recipe, d = self.recipe, self.recipe.data
         checkpoint = request.checkpoint or recipe.eval.checkpoint
-        model, rt = self.open_run(run_dir, checkpoint, request.device)
+        model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=request.quantize)
         spec = request.data if request.data is not None else d.dataset
         split = request.split or d.test_split
         config = d.dataset_config or None if request.data is None else None  # a Hub configuration names the corpus
@@ -220,24 +220,26 @@ class TranslationTask(Task):
         scores = translation_scores(hyps, list(raw[d.target_lang]))
         name = eval_name(split, request.data, [raw[d.source_lang], raw[d.target_lang]])
         out_dir = Path(run_dir) / "eval"
-        stem = f"{name}.{checkpoint}.beam{beam}.lenpen{lenpen:g}"
+        stem = f"{name}.{checkpoint}{'.' + request.quantize if request.quantize else ''}.beam{beam}.lenpen{lenpen:g}"
         result = TranslationEval(
             **scores, data=spec, split=split if request.data is None else None, checkpoint=checkpoint, beam=beam,
             lenpen=lenpen, decode_seconds=seconds, sentences_per_s=len(hyps) / max(seconds, 1e-9),
-            hypotheses=str(out_dir / f"{stem}.hyp"))
+            hypotheses=str(out_dir / f"{stem}.hyp"), quantize=request.quantize)
         atomic_write_text(out_dir / f"{stem}.hyp", "".join(h + "\n" for h in hyps))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
-        if request.data is None and split == d.test_split:  # RUN/eval.json: the recipe's own test split only
+        if request.data is None and split == d.test_split and not request.quantize:  # RUN/eval.json: the recipe's
+            # own test split with the model as trained
             atomic_write_text(Path(run_dir) / "eval.json", result.to_json())
         return result
 
     def predict(self, run_dir: Path, lines: list[str], *, checkpoint: str | None = None, beam: int | None = None,
-                lenpen: float | None = None, device: str = "auto", on_warning=None) -> list[str]:
+                lenpen: float | None = None, device: str = "auto", on_warning=None,
+                quantize: str | None = None) -> list[str]:
         """Translate raw sentences; the recipe's [eval] settings by default. A blank line stays
         blank (nothing is decoded for it); a line longer than the model's positions is
         translated from its first model.max_positions - 1 pieces, and `on_warning` is told."""
         recipe = self.recipe
-        model, rt = self.open_run(run_dir, checkpoint or recipe.eval.checkpoint, device)
+        model, rt = self.open_run(run_dir, checkpoint or recipe.eval.checkpoint, device, quantize=quantize)
         sources = self.tokenizer.encode(lines, "source")
         limit = recipe.model.max_positions - 1  # room for EOS
         for number, ids in enumerate(sources, start=1):
