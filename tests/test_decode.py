@@ -221,3 +221,42 @@ def test_sequence_logprob_ignores_padding_of_other_hypotheses():
                        for i, (n, h) in enumerate(zip(LENGTHS, hyps, strict=True))])
     torch.testing.assert_close(together, alone, atol=1e-5, rtol=0)
     assert (together < 0).all()
+
+
+def test_a_preallocated_cache_holds_what_concatenation_holds_and_grows_when_full():
+    from xformer.model.attention import KVCache
+
+    torch.manual_seed(0)
+    grown, plain = KVCache(capacity=2), KVCache()
+    for t in (1, 1, 3, 1):  # past the capacity twice
+        k, v = torch.randn(2, 1, t, 4), torch.randn(2, 1, t, 4)
+        got, want = grown.append(k, v), plain.append(k, v)
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    index = torch.tensor([1, 0])
+    grown.reorder(index), plain.reorder(index)
+    torch.testing.assert_close(grown.k, plain.k, rtol=0, atol=0)
+    grown.reorder(torch.tensor([1])), plain.reorder(torch.tensor([1]))  # a row leaves
+    torch.testing.assert_close((grown.k, grown.v), (plain.k, plain.v), rtol=0, atol=0)
+    assert grown.length == plain.length == 6 and torch.equal(grown.positions(), torch.arange(6))
+
+
+def test_beam_search_leaves_the_encoder_keys_in_place_while_no_sentence_leaves(monkeypatch):
+    """Reordering beams within sentences never touches the cross-attention caches (every beam of
+    a sentence has the same encoder keys); the result is the search's all the same."""
+    from xformer.model.transformer import DecoderCache
+
+    calls = []
+    original = DecoderCache.reorder
+
+    def spy(self, index, cross=True):
+        calls.append(cross if cross is None else len(cross) if not isinstance(cross, bool) else cross)
+        return original(self, index, cross)
+
+    torch.manual_seed(0)
+    model = build_model(ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1,
+                                    dropout=0.0, max_positions=64), 20).eval()
+    src = torch.randint(4, 20, (3, 6))
+    before = beam_search(model, src, beam=3)
+    monkeypatch.setattr(DecoderCache, "reorder", spy)
+    assert beam_search(model, src, beam=3) == before
+    assert None in calls and True not in calls  # within sentences: untouched; when one leaves: its rows

@@ -77,7 +77,7 @@ def greedy_decode(
         max_len = _max_lengths(model, src, max_len_a, max_len_b, pad_id)
         longest = max(max_len, default=0)
         memory, memory_pad = model.encode(src)  # (B, S, D), (B, S)
-        cache = model.new_cache()
+        cache = model.new_cache(longest + 1)
         active = torch.arange(b, device=src.device)  # original sentence of each row
         limit = torch.tensor(max_len, device=src.device)  # (B,) max_len of each row
         out = src.new_full((b, longest + 1), eos_id)
@@ -125,7 +125,7 @@ def beam_search(
         memory, memory_pad = model.encode(src)
         memory = memory.repeat_interleave(k, dim=0)  # (B*k, S, D)
         memory_pad = memory_pad.repeat_interleave(k, dim=0)  # (B*k, S)
-        cache = model.new_cache()
+        cache = model.new_cache(max(max_len, default=0) + 1)
 
         active = list(range(b))  # original sentence of each of the n decoding sentences
         finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(b)]  # (score, tokens)
@@ -180,6 +180,7 @@ def beam_search(
             going = [not done and len(finished[s]) < k for s, done in zip(active, at_max, strict=True)]
             if not any(going):
                 break
+            cross = None  # beams of a sentence share its encoder keys: reorder them only when sentences leave
             if not all(going):
                 keep = torch.tensor([i for i, g in enumerate(going) if g], device=device)
                 keep_rows = (keep[:, None] * k + torch.arange(k, device=device)).view(-1)
@@ -188,7 +189,8 @@ def beam_search(
                 rows, token = rows.view(n, k)[keep].view(-1), token.view(n, k)[keep].view(-1)
                 memory, memory_pad = memory[keep_rows], memory_pad[keep_rows]
                 base = base[: len(active)]
-            cache.reorder(rows)
+                cross = keep_rows
+            cache.reorder(rows, cross)
             tokens = torch.cat([tokens[rows], token[:, None]], dim=1)
             prev = token[:, None]
 

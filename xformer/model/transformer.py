@@ -194,21 +194,27 @@ class Encoder(nn.Module):
 
 class DecoderCache:
     """Per-layer (self, cross) KV caches of a Decoder, for incremental decoding; with `window`
-    the self-attention caches are rings of the window (KVCache)."""
+    the self-attention caches are rings of the window, with `capacity` preallocated buffers
+    of that many positions (KVCache)."""
 
-    def __init__(self, n_layers: int, window: int | None = None, keep_first: int = 0):
-        self.layers = [(KVCache(window, keep_first), KVCache()) for _ in range(n_layers)]
+    def __init__(self, n_layers: int, window: int | None = None, keep_first: int = 0, capacity: int | None = None):
+        self.layers = [(KVCache(window, keep_first, capacity), KVCache()) for _ in range(n_layers)]
 
     @property
     def length(self) -> int:
         """Target positions decoded so far."""
         return self.layers[0][0].length
 
-    def reorder(self, index: Tensor) -> None:
-        """Keep batch rows `index` (B',), as beam search does after each step."""
+    def reorder(self, index: Tensor, cross: Tensor | None | bool = True) -> None:
+        """Keep batch rows `index` (B',), as beam search does after each step. The cross-attention
+        caches follow `index` (cross=True), the rows `cross` (a tensor), or stay (None): beams
+        of one sentence share its encoder keys, so reordering within sentences leaves them be."""
         for self_cache, cross_cache in self.layers:
             self_cache.reorder(index)
-            cross_cache.reorder(index)
+            if cross is True:
+                cross_cache.reorder(index)
+            elif cross is not None and cross is not False:
+                cross_cache.reorder(cross)
 
 
 class Decoder(nn.Module):
@@ -275,10 +281,11 @@ class Seq2Seq(nn.Module):
         """tgt: (B, T) -> logits (B, T, V)."""
         return self.output(self.decoder(tgt, memory, memory_pad, cache))
 
-    def new_cache(self) -> DecoderCache:
-        """Caches for incremental decoding; a windowed decoder's hold only what its window sees."""
+    def new_cache(self, capacity: int | None = None) -> DecoderCache:
+        """Caches for incremental decoding; a windowed decoder's hold only what its window sees,
+        the others preallocate `capacity` positions when given (the longest output expected)."""
         window = getattr(self.decoder.pattern, "window", None)
-        return DecoderCache(len(self.decoder.layers), window, getattr(self.decoder.pattern, "global_tokens", 0))
+        return DecoderCache(len(self.decoder.layers), window, self.decoder.pattern.global_tokens, capacity)
 
     def forward(self, src: Tensor, tgt: Tensor, keep: Tensor | None = None) -> Tensor:
         """src: (B, S), tgt: (B, T) decoder input (BOS + target[:-1]) -> logits (B, T, V).
