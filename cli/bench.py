@@ -8,9 +8,27 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from xformer.bench import AttentionBench, AttentionBenchConfig, bench_attention
+from xformer.bench import (
+    AttentionBench,
+    AttentionBenchConfig,
+    ModelBench,
+    ModelBenchConfig,
+    bench_attention,
+    bench_decode,
+    bench_train,
+)
 from xformer.files import atomic_write_text
-from xformer_cli.common import Backend, Command, DeviceOption, JsonOption, Pattern, console, stdout, user_errors
+from xformer_cli.common import (
+    Backend,
+    Command,
+    DeviceOption,
+    JsonOption,
+    Pattern,
+    Precision,
+    console,
+    stdout,
+    user_errors,
+)
 
 bench_app = typer.Typer(help="Benchmarks measured in one run, each figure with a baseline from the same run.",
                         no_args_is_help=True, rich_markup_mode=None)
@@ -96,3 +114,66 @@ def bench_table(result: AttentionBench) -> Table:
                        for e in result.exponents if e["time_exponent"] is not None)
     table.caption = f"time exponents: {fitted}"
     return table
+
+
+StepsOption = Annotated[int, typer.Option("--rounds", min=1, help="Timed rounds (median, min, max).")]
+
+
+def _model_config(rounds: int, batch: int, precision: Precision, device: str, **extra) -> ModelBenchConfig:
+    return ModelBenchConfig(rounds=rounds, batch=batch, precision=precision.value, device=device, **extra)
+
+
+@bench_app.command("train", cls=Command)
+@user_errors
+def train(
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per round.")] = 20,
+    rounds: StepsOption = 3,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Sentence pairs per batch.")] = 64,
+    precision: Annotated[Precision, typer.Option("--precision", help="fp32, bf16 (autocast) or fp16.")
+                         ] = Precision.fp32,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    device: DeviceOption = "auto",
+    as_json: JsonOption = False,
+) -> None:
+    """Training speed on the peers' workload (3 + 3 layers, d 256, FFN 1024, vocabulary 8000,
+    batches of 24 + 24 tokens): target tokens/s per round and MFU against a matmul peak."""
+    config = _model_config(rounds, batch, precision, device, steps=steps)
+    result = bench_train(config, on_event=lambda kind, p: console.print(
+        f"[dim]round {p['round']}: {p['tokens_per_s']:,.0f} target tokens/s[/dim]"))
+    _show(result, out, as_json, f"MFU {result.mfu:.2f} of a {result.matmul_peak_gflops:,.0f} GFLOP/s matmul peak")
+
+
+@bench_app.command("decode", cls=Command)
+@user_errors
+def decode(
+    rounds: StepsOption = 3,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Sentences per batch.")] = 64,
+    sentences: Annotated[int, typer.Option("--sentences", min=1, help="Sentences per round.")] = 256,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="Tokens generated per sentence.")] = 32,
+    beam: Annotated[int, typer.Option("--beam", min=2, help="Beam size of the beam-search figure.")] = 5,
+    precision: Annotated[Precision, typer.Option("--precision", help="fp32 or bf16 (autocast).")] = Precision.fp32,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    device: DeviceOption = "auto",
+    as_json: JsonOption = False,
+) -> None:
+    """Decoding speed on the peers' workload: sentences/s of greedy and beam search, exactly
+    --new-tokens tokens per sentence."""
+    config = _model_config(rounds, batch, precision, device, sentences=sentences, new_tokens=new_tokens, beam=beam)
+    result = bench_decode(config, on_event=lambda kind, p: console.print(
+        f"[dim]{p['search']} round {p['round']}: {p['sentences_per_s']:,.1f} sentences/s[/dim]"))
+    _show(result, out, as_json, f"{sentences} sentences of {config.src_len} tokens, {new_tokens} new tokens each")
+
+
+def _show(result: ModelBench, out: Path | None, as_json: bool, caption: str) -> None:
+    if out is not None:
+        atomic_write_text(out, result.to_json())
+    if as_json:
+        typer.echo(result.to_json(indent=None))
+        return
+    table = Table(title=f"{result.parameters:,}-parameter encoder-decoder on {result.device}, {result.precision}",
+                  header_style="bold", caption=caption)
+    for column in ("figure", "median", "min", "max"):
+        table.add_column(column, justify="left" if column == "figure" else "right")
+    for name, figure in result.figures.items():
+        table.add_row(name.replace("_", " "), *(f"{figure[k]:,.1f}" for k in ("median", "min", "max")))
+    stdout.print(table)

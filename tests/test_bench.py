@@ -70,3 +70,23 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path):
     assert [c["pattern"] for c in saved["cells"]] == ["full", "full", "strided", "strided"]
     refused = CliRunner().invoke(app, ["bench", "attention", "--pattern", "dense"])
     assert refused.exit_code == 2 and "'dense' is not one of" in refused.output
+
+
+def test_the_model_benches_print_their_figures_and_count_flops_as_written():
+    from xformer.bench import train_flops
+    from xformer.config import ModelConfig
+
+    cfg = ModelConfig(d_model=8, n_heads=2, d_ff=16, n_encoder_layers=1, n_decoder_layers=1)
+    # encoder: (4*64 + 2*128) * 3 tokens; decoder: (2*4*64 + 2*128) * 2 + 10 * 8 * 2; scores: 9 + 4 + 6
+    forward = 2 * (512 * 3 + 768 * 2 + 160) + 4 * 8 * (9 + 4 + 6)
+    assert train_flops(cfg, 10, 1, 3, 2) == 3 * forward
+    trained = CliRunner().invoke(app, ["bench", "train", "--steps", "1", "--rounds", "2", "--batch", "2",
+                                       "--device", "cpu", "--json"])
+    assert trained.exit_code == 0, trained.output
+    report = json.loads(trained.stdout)
+    figure = report["figures"]["train_target_tokens_per_s"]
+    assert len(figure["rounds"]) == 2 and figure["min"] <= figure["median"] <= figure["max"] and 0 < report["mfu"]
+    decoded = CliRunner().invoke(app, ["bench", "decode", "--rounds", "1", "--batch", "2", "--sentences", "4",
+                                       "--new-tokens", "3", "--beam", "2", "--device", "cpu"])
+    assert decoded.exit_code == 0, decoded.output
+    assert "greedy sentences per s" in decoded.stdout and "beam2 sentences per s" in decoded.stdout

@@ -1,7 +1,9 @@
 """Benchmarks that compare xformer's own options in one run: `bench_attention` times one
 self-attention layer, forward and backward, for every attention pattern and backend across
 sequence lengths, with peak memory, the ratio to full attention measured in the same run, and
-the fitted growth exponents (time ~ n^a, memory ~ n^b).
+the fitted growth exponents (time ~ n^a, memory ~ n^b); `bench_train` and `bench_decode` time
+training steps and searches of the encoder-decoder of the peers' benchmark (target tokens/s
+with MFU against a matmul peak measured first; sentences/s, greedy and beam).
 
 Every figure is a median over `repeats` with its min and max. A cell whose estimated memory
 exceeds `memory_limit_mb`, or that follows a cell of the same series slower than
@@ -18,10 +20,13 @@ from dataclasses import dataclass, field
 import torch
 
 from xformer.config import ModelConfig
+from xformer.decode import beam_search, greedy_decode
 from xformer.events import Event, ignore
 from xformer.instrument import PeakMemory
+from xformer.losses import sequence_loss
 from xformer.model.attention import MultiHeadAttention
 from xformer.model.build import build_model
+from xformer.model.dropout import use_fast_dropout
 from xformer.model.flex import unavailable as flex_unavailable
 from xformer.model.lowrank import LowRankProjection
 from xformer.model.patterns import PATTERNS, PatternMask, make_pattern
@@ -198,3 +203,161 @@ def _slope(cells: list[dict], key: str) -> float | None:
     mx, my = statistics.fmean(xs), statistics.fmean(ys)
     var = sum((x - mx) ** 2 for x in xs)
     return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / var if var else None
+
+
+# ---------------------------------------------------------------- the model: training and decoding speed
+
+
+@dataclass
+class ModelBenchConfig:
+    """The workload of `bench_train` and `bench_decode`: an encoder-decoder of the peers'
+    benchmark (3 + 3 layers, d_model 256, 4 heads, FFN 1024, a tied vocabulary of 8000) on
+    random tokens; training batches of `batch` pairs of src_len + tgt_len tokens (Adam, label
+    smoothing 0.1, dropout 0.1); decoding `sentences` sources of src_len tokens in batches of
+    `batch`, exactly `new_tokens` tokens each."""
+
+    d_model: int = 256
+    n_heads: int = 4
+    d_ff: int = 1024
+    layers: int = 3
+    vocab: int = 8000
+    batch: int = 64
+    src_len: int = 24
+    tgt_len: int = 24
+    steps: int = 20  # timed training steps per round
+    rounds: int = 3
+    sentences: int = 256
+    new_tokens: int = 32
+    beam: int = 5
+    precision: str = "fp32"
+    device: str = "auto"
+
+
+@dataclass
+class ModelBench(Result):
+    """Medians over rounds with min and max; `rounds` holds each round's figure."""
+
+    device: str
+    precision: str
+    config: dict
+    parameters: int
+    figures: dict  # name -> {"median", "min", "max", "rounds"}
+    matmul_peak_gflops: float | None = None  # measured at the start (bench_train)
+    mfu: float | None = None  # model FLOP/s of the median round over the matmul peak
+
+
+def _model(config: ModelBenchConfig, device: torch.device):
+    cfg = ModelConfig(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff,
+                      n_encoder_layers=config.layers, n_decoder_layers=config.layers, dropout=0.1,
+                      tie_embeddings="all", max_positions=max(config.src_len, config.tgt_len, config.new_tokens) + 2)
+    torch.manual_seed(0)
+    return build_model(cfg, config.vocab).to(device), cfg
+
+
+def _figure(values: list[float]) -> dict:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values), "rounds": values}
+
+
+def matmul_peak_gflops(device: torch.device, dtype: torch.dtype = torch.float32, n: int = 2048) -> float:
+    """The best of a few n x n matmuls, in GFLOP/s: what MFU is measured against."""
+    a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+    best = math.inf
+    for _ in range(4):
+        started = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        best = min(best, time.perf_counter() - started)
+    return 2 * n**3 / best / 1e9
+
+
+def train_flops(cfg: ModelConfig, vocab: int, batch: int, src_len: int, tgt_len: int) -> float:
+    """FLOPs of one training step (forward + backward = 3x forward): 2 per weight per token
+    through every linear layer (the encoder's over source tokens, the decoder's and the output
+    projection over target tokens) and the attention score and value matmuls (4 T S D each)."""
+    d, f = cfg.d_model, cfg.d_ff
+    attention_weights, ffn_weights = 4 * d * d, 2 * d * f
+    encoder = cfg.n_encoder_layers * (attention_weights + ffn_weights) * src_len
+    decoder = cfg.n_decoder_layers * (2 * attention_weights + ffn_weights) * tgt_len + vocab * d * tgt_len
+    scores = cfg.n_encoder_layers * src_len * src_len + cfg.n_decoder_layers * (tgt_len * tgt_len
+                                                                                  + tgt_len * src_len)
+    forward = batch * (2 * (encoder + decoder) + 4 * d * scores)
+    return 3 * forward
+
+
+def bench_train(config: ModelBenchConfig | None = None, *, on_event: Event | None = None) -> ModelBench:
+    """Target tokens/s of training steps (forward, label-smoothed loss, backward, Adam), one
+    figure per round of `steps` steps after a warm-up step; MFU against a matmul peak measured
+    first. Events: "round" {"round", "tokens_per_s"}."""
+    config = config or ModelBenchConfig()
+    emit = on_event or ignore
+    rt = resolve_runtime(config.device, config.precision)
+    peak = matmul_peak_gflops(rt.device)
+    model, cfg = _model(config, rt.device)
+    use_fast_dropout(model, rt.device.type == "cpu")
+    model.train()
+    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+    generator = torch.Generator().manual_seed(0)
+    src = torch.randint(4, config.vocab, (config.batch, config.src_len), generator=generator).to(rt.device)
+    tgt = torch.randint(4, config.vocab, (config.batch, config.tgt_len + 1), generator=generator).to(rt.device)
+    tgt[:, 0] = 2  # BOS
+
+    def step():
+        with rt.autocast():
+            logits = model(src, tgt[:, :-1])
+            loss = sequence_loss(logits, tgt[:, 1:], 0, 0.1) / tgt[:, 1:].numel()
+        rt.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    step()  # warm-up
+    rates = []
+    for index in range(config.rounds):
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+        started = time.perf_counter()
+        for _ in range(config.steps):
+            step()
+        if rt.device.type == "cuda":
+            torch.cuda.synchronize(rt.device)
+        rates.append(config.steps * config.batch * config.tgt_len / (time.perf_counter() - started))
+        emit("round", {"round": index + 1, "tokens_per_s": rates[-1]})
+    figure = _figure(rates)
+    steps_per_s = figure["median"] / (config.batch * config.tgt_len)
+    flops = train_flops(cfg, config.vocab, config.batch, config.src_len, config.tgt_len)
+    return ModelBench(device=str(rt.device), precision=rt.precision, config=vars(config),
+                      parameters=sum(p.numel() for p in model.parameters()),
+                      figures={"train_target_tokens_per_s": figure}, matmul_peak_gflops=peak,
+                      mfu=flops * steps_per_s / (peak * 1e9))
+
+
+def bench_decode(config: ModelBenchConfig | None = None, *, on_event: Event | None = None) -> ModelBench:
+    """Sentences/s of greedy decoding and of beam search (config.beam), exactly new_tokens
+    tokens per sentence (EOS banned before, forced at new_tokens), in batches of config.batch;
+    one figure per round. Events: "round" {"round", "search", "sentences_per_s"}."""
+    config = config or ModelBenchConfig()
+    emit = on_event or ignore
+    rt = resolve_runtime(config.device, config.precision, training=False)
+    model, _ = _model(config, rt.device)
+    model.eval()
+    generator = torch.Generator().manual_seed(0)
+    sources = torch.randint(4, config.vocab, (config.sentences, config.src_len), generator=generator).to(rt.device)
+    exact = dict(max_len_a=0.0, max_len_b=config.new_tokens, min_len=config.new_tokens)
+    searches = {"greedy": lambda src: greedy_decode(model, src, **exact),
+                f"beam{config.beam}": lambda src: beam_search(model, src, beam=config.beam, **exact)}
+    figures = {}
+    for name, search in searches.items():
+        with rt.autocast():
+            search(sources[: config.batch])  # warm-up
+        rates = []
+        for index in range(config.rounds):
+            started = time.perf_counter()
+            with rt.autocast():
+                for start in range(0, config.sentences, config.batch):
+                    out = search(sources[start:start + config.batch])
+                    assert all(len(o) == config.new_tokens for o in out)
+            rates.append(config.sentences / (time.perf_counter() - started))
+            emit("round", {"round": index + 1, "search": name, "sentences_per_s": rates[-1]})
+        figures[f"{name}_sentences_per_s"] = _figure(rates)
+    return ModelBench(device=str(rt.device), precision=rt.precision, config=vars(config),
+                      parameters=sum(p.numel() for p in model.parameters()), figures=figures)
