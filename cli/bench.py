@@ -18,6 +18,7 @@ from xformer.bench import (
     bench_train,
 )
 from xformer.files import atomic_write_text
+from xformer.peers import PEERS, bench_peers
 from xformer_cli.common import (
     Backend,
     Command,
@@ -25,6 +26,7 @@ from xformer_cli.common import (
     JsonOption,
     Pattern,
     Precision,
+    choices,
     console,
     stdout,
     user_errors,
@@ -176,4 +178,59 @@ def _show(result: ModelBench, out: Path | None, as_json: bool, caption: str) -> 
         table.add_column(column, justify="left" if column == "figure" else "right")
     for name, figure in result.figures.items():
         table.add_row(name.replace("_", " "), *(f"{figure[k]:,.1f}" for k in ("median", "min", "max")))
+    stdout.print(table)
+
+
+Peer = choices("Peer", PEERS)
+
+
+@bench_app.command("peers", cls=Command)
+@user_errors
+def peers(
+    names: Annotated[list[Peer], typer.Option("--peer", help="Peers (repeatable) [default: all].")
+                     ] = [],  # noqa: B006
+    rounds: StepsOption = 2,
+    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per round.")] = 20,
+    batch: Annotated[int, typer.Option("--batch", min=1, help="Pairs (training) and sentences (decoding) "
+                                                              "per batch.")] = 64,
+    sentences: Annotated[int, typer.Option("--sentences", min=1, help="Sentences decoded per round.")] = 256,
+    precision: Annotated[Precision, typer.Option("--precision", help="fp32 or bf16 (autocast, every peer).")
+                         ] = Precision.fp32,
+    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    device: DeviceOption = "auto",
+    as_json: JsonOption = False,
+) -> None:
+    """The peers' workload in xformer, HF Marian, x-transformers and torch.nn.Transformer, each
+    in its own process, round after round: training target tokens/s and decoding sentences/s,
+    with xformer's ratio to each."""
+    config = _model_config(rounds, batch, precision, device, steps=steps, sentences=sentences)
+
+    def on_event(kind: str, p: dict) -> None:
+        shown = p.get("error") or ", ".join(f"{k.replace('_', ' ')} {v:,.1f}" for k, v in p.items()
+                                            if k not in ("round", "peer"))
+        console.print(f"[dim]round {p['round']} {p['peer']}: {shown}[/dim]")
+
+    result = bench_peers(config, [n.value for n in names] or None, on_event=on_event)
+    if out is not None:
+        atomic_write_text(out, result.to_json())
+    if as_json:
+        typer.echo(result.to_json(indent=None))
+        return
+    table = Table(title=f"the peers' workload on {result.device}, {result.precision}: median of {rounds} rounds "
+                        "(min-max)", header_style="bold")
+    table.add_column("figure")
+    shown = [p for p in result.peers if p in result.figures]
+    for peer in shown:
+        table.add_column(f"{peer} ({result.parameters[peer] / 1e6:.2f}M)", justify="right")
+    table.add_column("xformer vs", justify="right")
+    figures = sorted({f for p in shown for f in result.figures[p]}, key=lambda f: f.startswith("beam"))
+    for figure in figures:
+        cells = []
+        for peer in shown:
+            got = result.figures[peer].get(figure)
+            cells.append(f"{got['median']:,.1f} ({got['min']:,.0f}-{got['max']:,.0f})" if got else "n/a")
+        ratios = ", ".join(f"{r:.2f}x {p}" for p, r in result.xformer_vs.get(figure, {}).items())
+        table.add_row(figure.replace("_", " "), *cells, ratios)
+    for peer, error in result.errors.items():
+        table.caption = (table.caption or "") + f"{peer} failed: {error}\n"
     stdout.print(table)

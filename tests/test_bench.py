@@ -90,3 +90,37 @@ def test_the_model_benches_print_their_figures_and_count_flops_as_written():
                                        "--new-tokens", "3", "--beam", "2", "--device", "cpu"])
     assert decoded.exit_code == 0, decoded.output
     assert "greedy sentences per s" in decoded.stdout and "beam2 sentences per s" in decoded.stdout
+
+
+def test_bench_peers_runs_each_peer_in_its_own_process_and_reports_ratios():
+    from xformer.bench import ModelBenchConfig
+    from xformer.peers import bench_peers
+
+    config = ModelBenchConfig(d_model=16, n_heads=2, d_ff=32, layers=1, vocab=50, batch=2, steps=1, rounds=2,
+                              sentences=2, new_tokens=3, beam=2, device="cpu")
+    report = bench_peers(config, ["xformer", "torch_nn"])
+    assert not report.errors and report.peers == ["xformer", "torch_nn"]
+    ours, theirs = report.figures["xformer"], report.figures["torch_nn"]
+    assert len(ours["train_target_tokens_per_s"]["rounds"]) == 2  # one process per peer and round
+    assert "beam2_sentences_per_s" in ours and "beam2_sentences_per_s" not in theirs  # no cache, no beam there
+    for figure in ("train_target_tokens_per_s", "greedy_sentences_per_s"):
+        assert report.xformer_vs[figure]["torch_nn"] == pytest.approx(ours[figure]["median"] / theirs[figure]["median"])
+
+
+@pytest.mark.slow
+def test_bench_peers_against_hf_marian_through_the_cli():
+    pytest.importorskip("transformers")
+    result = CliRunner().invoke(app, ["bench", "peers", "--peer", "xformer", "--peer", "marian", "--peer", "torch_nn",
+                                      "--rounds", "1", "--steps", "1", "--batch", "2", "--sentences", "2",
+                                      "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert not report["errors"], report["errors"]
+    ours, hf = report["figures"]["xformer"], report["figures"]["marian"]
+    assert set(ours) == set(hf) == {"train_target_tokens_per_s", "greedy_sentences_per_s", "beam5_sentences_per_s"}
+    assert "beam5_sentences_per_s" not in report["figures"]["torch_nn"]  # no cache, no beam search there
+    ratio = report["xformer_vs"]["train_target_tokens_per_s"]["marian"]
+    assert ratio == pytest.approx(ours["train_target_tokens_per_s"]["median"]
+                                  / hf["train_target_tokens_per_s"]["median"])
+    refused = CliRunner().invoke(app, ["bench", "peers", "--peer", "fairseq"])
+    assert refused.exit_code == 2 and "'fairseq' is not one of" in refused.output
