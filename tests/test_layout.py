@@ -17,7 +17,7 @@ LAYERS = [
      "xformer.rundir", "xformer.decode", "xformer.instrument", "xformer.quantize"],
     ["xformer.tasks"],
     ["xformer.recipe_io", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
-     "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers"],
+     "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers", "xformer.export"],
     ["xformer"],  # the package's __init__: the library's front door
 ]
 

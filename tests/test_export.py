@@ -1,0 +1,69 @@
+"""xformer export --format hf: the exported MarianMTModel loads with from_pretrained and computes
+the same logits and the same greedy translations as the run; its tokenizer gives the run's ids;
+models Marian cannot express are refused by field."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tests.test_train import tiny_recipe
+from xformer.decode import greedy_decode
+from xformer.recipe_io import load_run_recipe
+from xformer.tasks import make_task
+from xformer.train import run
+from xformer_cli.main import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    run(tiny_recipe(corpus, "train.max_steps=6", "train.valid_every=6"), out, device="cpu")
+    return out
+
+
+def test_the_hf_export_is_the_same_model(trained, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "hf"
+    result = runner.invoke(app, ["export", str(trained), "--format", "hf", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    hf = transformers.MarianMTModel.from_pretrained(out).eval()
+    tokenizer = transformers.MarianTokenizer.from_pretrained(out)
+    task = make_task(load_run_recipe(trained))
+    model, _ = task.open_run(trained, "best", "cpu")
+    sentences = ["Ein Hund rennt im Schnee.", "Zwei Männer spielen Fußball auf einer Wiese."]
+    ours = [ids + [3] for ids in task.tokenizer.encode(sentences, "source")]  # pieces + EOS
+    theirs = tokenizer(sentences, padding=True, return_tensors="pt")
+    assert [row[: len(o)] for row, o in zip(theirs.input_ids.tolist(), ours, strict=True)] == ours
+    src = theirs.input_ids
+    tgt = torch.tensor([[2, 5, 9, 14, 7], [2, 8, 8, 20, 11]])
+    with torch.no_grad():
+        expected = model(src, tgt)
+        got = hf(input_ids=src, attention_mask=theirs.attention_mask, decoder_input_ids=tgt).logits
+        torch.testing.assert_close(got, expected, atol=1e-4, rtol=1e-4)
+        greedy = greedy_decode(model, src, max_len_a=0.0, max_len_b=12)
+        generated = hf.generate(input_ids=src, attention_mask=theirs.attention_mask, num_beams=1, do_sample=False,
+                                max_new_tokens=13)
+    hf_greedy = [[t for t in row[1:].tolist() if t not in (0, 3)] for row in generated]
+    assert hf_greedy == greedy
+    again = runner.invoke(app, ["export", str(trained), "--out", str(out)])  # never over an export
+    assert again.exit_code == 2 and "exists and is not an empty directory" in again.output
+
+
+def test_a_model_marian_cannot_express_is_refused_by_field(trained, tmp_path):
+    recipe = json.loads(json.dumps(load_run_recipe(trained).to_dict()))
+    (trained.parent / "rope").mkdir()
+    import shutil
+
+    from xformer.recipe_io import recipe_from_dict
+
+    other = trained.parent / "rope"
+    shutil.copytree(trained, other, dirs_exist_ok=True)
+    recipe["model"]["positional"] = "rope"
+    recipe_from_dict(recipe).save(other / "recipe.toml")
+    result = runner.invoke(app, ["export", str(other), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "model.positional: Marian has 'sinusoidal', found 'rope'" in result.output
+    assert not (tmp_path / "x").exists()

@@ -1,0 +1,172 @@
+"""Export a trained translation run for the tools people deploy with (`xformer export`).
+
+    hf  a Hugging Face transformers directory: MarianMTModel (config.json, model.safetensors,
+        generation_config.json) and its MarianTokenizer (the run's sentencepiece model as
+        source.spm and target.spm, vocab.json), loadable with from_pretrained
+
+The mapping is exact for the architecture Marian has: Post-LN LayerNorm layers with biases,
+sinusoidal positions from 0, tokens scaled by sqrt(d_model), multi-head attention (no GQA),
+ReLU or GELU FFNs, full attention, one joint vocabulary with every embedding tied
+(model.tie_embeddings = "all"). Anything else is refused with the field that stands in the way.
+
+Marian's sinusoids put every sine in the first half of the features and every cosine in the
+second, where xformer interleaves them (Vaswani's layout); the two tables are one permutation of
+the features apart, so every tensor's d_model axis is permuted the same way: the residual stream
+is the same up to that permutation, LayerNorm commutes with it, and logits are unchanged.
+HF transformers comes from the optional `peers` extra and is imported only when exporting.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import tempfile
+from pathlib import Path
+
+import sentencepiece
+import torch
+
+from xformer.errors import RunError
+from xformer.recipe_io import load_run_recipe
+from xformer.rundir import tokenizer_dir
+from xformer.tasks import make_task
+
+FORMATS = ("hf",)
+BOS, EOS, PAD, UNK = 2, 3, 0, 1
+
+
+def marian_problems(recipe) -> list[str]:
+    """Why the recipe's model cannot be a MarianMTModel (empty: it can)."""
+    m = recipe.model
+    wanted = {"arch": "seq2seq", "positional": "sinusoidal", "norm": "layernorm", "norm_position": "post",
+              "attention": "full", "tie_embeddings": "all", "memory_tokens": 0, "downsample_every": 0,
+              "scale_embeddings": True}
+    out = [f"model.{k}: Marian has {v!r}, found {getattr(m, k)!r}" for k, v in wanted.items()
+           if getattr(m, k) != v and not (k == "downsample_every" and getattr(m, k) >= m.n_encoder_layers)]
+    if m.arch == "seq2seq":
+        if m.ffn not in ("relu", "gelu"):
+            out.append(f"model.ffn: Marian has relu or gelu, found {m.ffn!r}")
+        if m.kv_heads != m.n_heads:
+            out.append(f"model.n_kv_heads: Marian has one key/value head per query head, found {m.kv_heads}")
+        if m.pruned_heads:
+            out.append("model.pruned_heads: Marian has the same heads in every layer")
+    return out
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", checkpoint: str | None = None) -> Path:
+    """Write the run's checkpoint (default: eval.checkpoint) as `fmt` into the new or empty
+    directory out_dir (written in a temporary sibling, then renamed: never half-written)."""
+    run_dir, out_dir = Path(run_dir), Path(out_dir)
+    if fmt not in FORMATS:
+        raise RunError(f"format {fmt}: expected one of {', '.join(FORMATS)}")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise RunError(f"out {out_dir}: exists and is not an empty directory; choose a new one")
+    recipe = load_run_recipe(run_dir)
+    problems = marian_problems(recipe)
+    if recipe.data.task != "translation":
+        problems.insert(0, f"data.task: export writes translation models, found {recipe.data.task!r}")
+    if problems:
+        raise RunError([f"{run_dir}: cannot be a MarianMTModel: {p}" for p in problems])
+    model, _ = make_task(recipe).open_run(run_dir, checkpoint or recipe.eval.checkpoint, "cpu", "fp32")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _write_marian(model, recipe, staging, tokenizer_dir(run_dir))
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def feature_order(d_model: int) -> torch.Tensor:
+    """Marian's feature i is xformer's feature order[i]: the sines (even features), then the cosines."""
+    return torch.cat([torch.arange(0, d_model, 2), torch.arange(1, d_model, 2)])
+
+
+def _write_marian(model, recipe, out: Path, tokenizer: Path) -> None:
+    from transformers import MarianConfig, MarianMTModel, MarianTokenizer
+
+    m = recipe.model
+    vocab = model.output.weight.size(0)
+    config = MarianConfig(
+        vocab_size=vocab, d_model=m.d_model, encoder_layers=m.n_encoder_layers, decoder_layers=m.n_decoder_layers,
+        encoder_attention_heads=m.n_heads, decoder_attention_heads=m.n_heads, encoder_ffn_dim=m.d_ff,
+        decoder_ffn_dim=m.d_ff, max_position_embeddings=m.max_positions, activation_function=m.ffn,
+        dropout=m.dropout, attention_dropout=m.attention_dropout, activation_dropout=m.activation_dropout,
+        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+        pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, decoder_start_token_id=BOS, forced_eos_token_id=EOS,
+        num_beams=recipe.eval.beam, max_length=m.max_positions)
+    hf = MarianMTModel(config)
+    order = feature_order(m.d_model)
+    state = hf.state_dict()
+    for name, value in _marian_tensors(model, order).items():
+        if state[name].shape != value.shape:
+            raise RunError(f"{name}: Marian expects {tuple(state[name].shape)}, the run has {tuple(value.shape)}")
+        state[name] = value
+    hf.load_state_dict(state)
+    # as xformer's searches: padding and BOS are never generated
+    hf.generation_config.update(num_beams=recipe.eval.beam, length_penalty=recipe.eval.lenpen,
+                                decoder_start_token_id=BOS, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
+                                suppress_tokens=[PAD, BOS])
+    hf.save_pretrained(out, safe_serialization=True)
+    spm = tokenizer / "spm.model"
+    if not spm.is_file():
+        raise RunError(f"{tokenizer}: no spm.model (a joint sentencepiece model is what Marian's tokenizer reads)")
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(spm))
+    pieces = {processor.id_to_piece(i): i for i in range(processor.get_piece_size())}
+    vocab_file = out / "vocab.json"
+    vocab_file.write_text(json.dumps(pieces, ensure_ascii=False), encoding="utf-8")
+    d = recipe.data
+    hf_tokenizer = MarianTokenizer(str(spm), str(spm), str(vocab_file), source_lang=d.source_lang,
+                                   target_lang=d.target_lang, unk_token=processor.id_to_piece(UNK),
+                                   eos_token=processor.id_to_piece(EOS), pad_token=processor.id_to_piece(PAD),
+                                   model_max_length=m.max_positions)
+    hf_tokenizer.save_pretrained(out)
+
+
+def _marian_tensors(model, order: torch.Tensor) -> dict[str, torch.Tensor]:
+    """xformer's weights under Marian's names, every d_model axis permuted by `order`."""
+    out: dict[str, torch.Tensor] = {}
+
+    def rows(t):  # d_model on the output axis
+        return t.detach()[order].clone()
+
+    def cols(t):  # d_model on the input axis
+        return t.detach()[:, order].clone()
+
+    def attention(prefix, module):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            linear = getattr(module, proj)
+            out[f"{prefix}.{proj}.weight"], out[f"{prefix}.{proj}.bias"] = cols(linear.weight), linear.bias.detach()
+        out[f"{prefix}.out_proj.weight"], out[f"{prefix}.out_proj.bias"] = rows(module.out_proj.weight), \
+            rows(module.out_proj.bias)
+
+    def norm(prefix, module):
+        out[f"{prefix}.weight"], out[f"{prefix}.bias"] = rows(module.weight), rows(module.bias)
+
+    def ffn(prefix, module):
+        out[f"{prefix}.fc1.weight"], out[f"{prefix}.fc1.bias"] = cols(module.fc1.weight), module.fc1.bias.detach()
+        out[f"{prefix}.fc2.weight"], out[f"{prefix}.fc2.bias"] = rows(module.fc2.weight), rows(module.fc2.bias)
+
+    embedding = cols(model.encoder.embed.embedding.weight)
+    for name in ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
+                 "lm_head.weight"):
+        out[name] = embedding
+    for i, layer in enumerate(model.encoder.layers):
+        p = f"model.encoder.layers.{i}"
+        attention(f"{p}.self_attn", layer.self_attn)
+        norm(f"{p}.self_attn_layer_norm", layer.self_attn_norm)
+        ffn(p, layer.ffn)
+        norm(f"{p}.final_layer_norm", layer.ffn_norm)
+    for i, layer in enumerate(model.decoder.layers):
+        p = f"model.decoder.layers.{i}"
+        attention(f"{p}.self_attn", layer.self_attn)
+        norm(f"{p}.self_attn_layer_norm", layer.self_attn_norm)
+        attention(f"{p}.encoder_attn", layer.cross_attn)
+        norm(f"{p}.encoder_attn_layer_norm", layer.cross_attn_norm)
+        ffn(p, layer.ffn)
+        norm(f"{p}.final_layer_norm", layer.ffn_norm)
+    return out
