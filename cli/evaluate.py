@@ -44,14 +44,18 @@ def evaluate(
     checkpoint: CheckpointOption = None,
     device: DeviceOption = "auto",
     quantize: QuantizeOption = None,
+    ctranslate2: Annotated[Path | None, typer.Option("--ctranslate2", help="Decode with CTranslate2 from this "
+                                                     "directory (xformer export --format ctranslate2).")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Score a run on a test set: translation with beam search, sacreBLEU (cased and lowercased)
     and chrF; classification with accuracy and a confusion matrix."""
-    with flags_named("split", "data", "device", "quantize"), Progress(console=console, transient=True) as progress:
+    flags = flags_named("split", "data", "device", "quantize", "ctranslate2")
+    with flags, Progress(console=console, transient=True) as progress:
         bar = progress.add_task("decoding", total=None)
         result = evaluate_run(run, split=split, data=data, beam=beam, lenpen=lenpen, checkpoint=checkpoint,
                               device=device, quantize=quantize.value if quantize else None,
+                              ctranslate2=str(ctranslate2) if ctranslate2 else None,
                               on_progress=lambda done, total: progress.update(bar, completed=done, total=total))
     if as_json:
         typer.echo(result.to_json(indent=None))

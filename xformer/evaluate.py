@@ -22,15 +22,18 @@ def evaluate_run(
     run_dir: str | Path, *, split: str | None = None, data: str | None = None, beam: int | None = None,
     lenpen: float | None = None, checkpoint: str | None = None, device: str = "auto",
     on_progress: Callable[[int, int], None] | None = None, quantize: str | None = None,
+    ctranslate2: str | None = None,
 ) -> TranslationEval | ClassificationEval:
     """Score the run on `split` (default: the recipe's test split) or on `data` (a JSONL file
     or folder with the recipe's fields). beam and lenpen apply to translation runs; None means
     the recipe's [eval] value. quantize "int8": Linear layers in dynamic int8 (CPU); its files
-    carry ".int8" in their names and RUN/eval.json stays the model's as trained."""
+    carry ".int8" in their names and RUN/eval.json stays the model's as trained. ctranslate2:
+    decode with CTranslate2 from that directory (xformer export --format ctranslate2; int8
+    compute with quantize "int8"), files marked ".ct2"."""
     run_dir = Path(run_dir)
     task = make_task(load_run_recipe(run_dir))
     request = EvalRequest(split=split, data=data, checkpoint=checkpoint, device=device, beam=beam, lenpen=lenpen,
-                          on_progress=on_progress, quantize=quantize)
+                          on_progress=on_progress, quantize=quantize, ctranslate2=ctranslate2)
     return task.evaluate(run_dir, request)
 
 

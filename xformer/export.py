@@ -1,8 +1,12 @@
 """Export a trained translation run for the tools people deploy with (`xformer export`).
 
-    hf  a Hugging Face transformers directory: MarianMTModel (config.json, model.safetensors,
-        generation_config.json) and its MarianTokenizer (the run's sentencepiece model as
-        source.spm and target.spm, vocab.json), loadable with from_pretrained
+    hf           a Hugging Face transformers directory: MarianMTModel (config.json,
+                 model.safetensors, generation_config.json) and its MarianTokenizer (the run's
+                 sentencepiece model as source.spm and target.spm, vocab.json), loadable with
+                 from_pretrained
+    ctranslate2  that directory converted by CTranslate2's own TransformersConverter (weights
+                 in float32, or int8 with quantize="int8"), the sentencepiece model beside it
+                 and xformer-ctranslate2.json; `xformer eval RUN --ctranslate2 DIR` decodes with it
 
 The mapping is exact for the architecture Marian has: Post-LN LayerNorm layers with biases,
 sinusoidal positions from 0, tokens scaled by sqrt(d_model), multi-head attention (no GQA),
@@ -18,6 +22,7 @@ HF transformers comes from the optional `peers` extra and is imported only when 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import tempfile
@@ -26,12 +31,13 @@ from pathlib import Path
 import sentencepiece
 import torch
 
+from xformer.engines import CT2_META
 from xformer.errors import RunError
 from xformer.recipe_io import load_run_recipe
 from xformer.rundir import tokenizer_dir
 from xformer.tasks import make_task
 
-FORMATS = ("hf",)
+FORMATS = ("hf", "ctranslate2")
 BOS, EOS, PAD, UNK = 2, 3, 0, 1
 
 
@@ -53,7 +59,8 @@ def marian_problems(recipe) -> list[str]:
     return out
 
 
-def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", checkpoint: str | None = None) -> Path:
+def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", checkpoint: str | None = None,
+               quantize: str | None = None) -> Path:
     """Write the run's checkpoint (default: eval.checkpoint) as `fmt` into the new or empty
     directory out_dir (written in a temporary sibling, then renamed: never half-written)."""
     run_dir, out_dir = Path(run_dir), Path(out_dir)
@@ -67,11 +74,18 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", che
         problems.insert(0, f"data.task: export writes translation models, found {recipe.data.task!r}")
     if problems:
         raise RunError([f"{run_dir}: cannot be a MarianMTModel: {p}" for p in problems])
-    model, _ = make_task(recipe).open_run(run_dir, checkpoint or recipe.eval.checkpoint, "cpu", "fp32")
+    if quantize not in (None, "int8") or (quantize and fmt != "ctranslate2"):
+        raise RunError(f"quantize {quantize}: only int8, and only with format ctranslate2")
+    checkpoint = checkpoint or recipe.eval.checkpoint
+    model, _ = make_task(recipe).open_run(run_dir, checkpoint, "cpu", "fp32")
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _write_marian(model, recipe, staging, tokenizer_dir(run_dir))
+        if fmt == "hf":
+            _write_marian(model, recipe, staging, tokenizer_dir(run_dir))
+        else:
+            _write_ctranslate2(model, recipe, staging, tokenizer_dir(run_dir), quantize,
+                               {"run": str(run_dir), "checkpoint": checkpoint, "quantize": quantize})
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
@@ -125,6 +139,57 @@ def _write_marian(model, recipe, out: Path, tokenizer: Path) -> None:
                                    eos_token=processor.id_to_piece(EOS), pad_token=processor.id_to_piece(PAD),
                                    model_max_length=m.max_positions)
     hf_tokenizer.save_pretrained(out)
+
+
+def _write_ctranslate2(model, recipe, out: Path, tokenizer: Path, quantize: str | None, meta: dict) -> None:
+    try:
+        import ctranslate2
+    except ImportError:
+        raise RunError("format ctranslate2: CTranslate2 is not installed (pip install ctranslate2)") from None
+    hf_dir = out / "hf"
+    _write_marian(model, recipe, hf_dir, tokenizer)
+    converted = out / "model"
+    with _xformer_marian_loader():
+        ctranslate2.converters.TransformersConverter(str(hf_dir)).convert(str(converted), quantization=quantize)
+    for name in converted.iterdir():
+        name.rename(out / name.name)
+    converted.rmdir()
+    shutil.rmtree(hf_dir)
+    shutil.copy(tokenizer / "spm.model", out / "spm.model")
+    (out / CT2_META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+
+
+@contextlib.contextmanager
+def _xformer_marian_loader():
+    """CTranslate2's MarianMT loader, for the time of one conversion, without its OPUS-MT
+    assumptions: that the last vocabulary entry is a padding token to drop and that the decoder
+    starts from a zero embedding. An xformer export keeps every entry and starts from BOS."""
+    from ctranslate2.converters import transformers as ct2
+
+    class XformerMarianLoader(ct2.MarianMTLoader):
+        def get_model_spec(self, model):
+            model.config.normalize_before = False
+            model.config.normalize_embedding = False
+            return ct2.BartLoader.get_model_spec(self, model)
+
+        def set_config(self, config, model, tokenizer):
+            config.eos_token = tokenizer.eos_token
+            config.unk_token = tokenizer.unk_token
+            config.decoder_start_token = tokenizer.convert_ids_to_tokens(BOS)
+
+        def set_decoder(self, spec, decoder):
+            spec.start_from_zero_embedding = False
+            ct2.BartLoader.set_decoder(self, spec, decoder)
+
+        def get_vocabulary(self, model, tokenizer):
+            return ct2.BartLoader.get_vocabulary(self, model, tokenizer)
+
+    original = ct2._MODEL_LOADERS["MarianConfig"]
+    ct2._MODEL_LOADERS["MarianConfig"] = XformerMarianLoader()
+    try:
+        yield
+    finally:
+        ct2._MODEL_LOADERS["MarianConfig"] = original
 
 
 def _marian_tensors(model, order: torch.Tensor) -> dict[str, torch.Tensor]:

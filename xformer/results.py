@@ -41,6 +41,7 @@ class TranslationEval(Result):
     sentences_per_s: float
     hypotheses: str  # the file of hypotheses, one per line
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
+    engine: str | None = None  # "ctranslate2" when an exported model decoded
 
 
 @dataclass

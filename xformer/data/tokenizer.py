@@ -106,6 +106,10 @@ class Tokenizer:
         kept = [[i for i in seq if i not in _DROPPED_ON_DECODE] for seq in ids]
         return self._model(side).decode(kept)
 
+    def piece(self, i: int, side: Side) -> str:
+        """The piece string of id i."""
+        return self._model(side).id_to_piece(i)
+
     def vocab_size(self, side: Side) -> int:
         return self._model(side).get_piece_size()
 

@@ -81,6 +81,7 @@ class EvalRequest:
     beam: int | None = None  # translation only
     lenpen: float | None = None  # translation only
     quantize: str | None = None  # "int8": dynamic int8 Linear layers on the CPU (xformer/quantize.py)
+    ctranslate2: str | None = None  # decode with CTranslate2 from this exported directory (translation only)
     on_progress: Any = None  # Callable[[done, total], None]
 
 

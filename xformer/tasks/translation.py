@@ -24,6 +24,7 @@ from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from xformer.decode import translate_ids
+from xformer.engines import ctranslate2_ids, ctranslate2_meta
 from xformer.errors import DataError, RunError
 from xformer.events import Event
 from xformer.files import atomic_write_text
@@ -197,7 +198,12 @@ class TranslationTask(Task):
         """Translate a split (default: the recipe's test split) or request.data and score it."""
         recipe, d = self.recipe, self.recipe.data
         checkpoint = request.checkpoint or recipe.eval.checkpoint
-        model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=request.quantize)
+        if request.ctranslate2:  # the exported model decodes; the run supplies tokenizer and data
+            meta = ctranslate2_meta(request.ctranslate2)
+            checkpoint = meta["checkpoint"]
+            self.load_vocabulary(Path(run_dir))
+        else:
+            model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=request.quantize)
         spec = request.data if request.data is not None else d.dataset
         split = request.split or d.test_split
         config = d.dataset_config or None if request.data is None else None  # a Hub configuration names the corpus
@@ -214,21 +220,32 @@ class TranslationTask(Task):
                 request.on_progress(done, len(sources))
 
         started = time.perf_counter()
-        ids = translate_ids(model, sources, recipe, rt, beam=beam, lenpen=lenpen, on_batch=tick)
+        if request.ctranslate2:
+            e = recipe.eval
+            pieces = [self.tokenizer.piece(i, "source") for i in range(self.tokenizer.vocab_size("source"))]
+            ids = ctranslate2_ids(request.ctranslate2, sources, pieces, beam=beam, lenpen=lenpen,
+                                  max_len_a=e.max_len_a, max_len_b=e.max_len_b,
+                                  compute_type="int8" if request.quantize else "float32")
+            tick(len(sources))
+        else:
+            ids = translate_ids(model, sources, recipe, rt, beam=beam, lenpen=lenpen, on_batch=tick)
         hyps = self.tokenizer.decode(ids, "target")
         seconds = time.perf_counter() - started
         scores = translation_scores(hyps, list(raw[d.target_lang]))
         name = eval_name(split, request.data, [raw[d.source_lang], raw[d.target_lang]])
         out_dir = Path(run_dir) / "eval"
-        stem = f"{name}.{checkpoint}{'.' + request.quantize if request.quantize else ''}.beam{beam}.lenpen{lenpen:g}"
+        engine = (".ct2" if request.ctranslate2 else "") + ("." + request.quantize if request.quantize else "")
+        stem = f"{name}.{checkpoint}{engine}.beam{beam}.lenpen{lenpen:g}"
         result = TranslationEval(
             **scores, data=spec, split=split if request.data is None else None, checkpoint=checkpoint, beam=beam,
             lenpen=lenpen, decode_seconds=seconds, sentences_per_s=len(hyps) / max(seconds, 1e-9),
-            hypotheses=str(out_dir / f"{stem}.hyp"), quantize=request.quantize)
+            hypotheses=str(out_dir / f"{stem}.hyp"), quantize=request.quantize,
+            engine="ctranslate2" if request.ctranslate2 else None)
         atomic_write_text(out_dir / f"{stem}.hyp", "".join(h + "\n" for h in hyps))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
-        if request.data is None and split == d.test_split and not request.quantize:  # RUN/eval.json: the recipe's
-            # own test split with the model as trained
+        as_trained = not (request.quantize or request.ctranslate2)
+        if request.data is None and split == d.test_split and as_trained:  # RUN/eval.json: the recipe's own
+            # test split, decoded by the model as trained
             atomic_write_text(Path(run_dir) / "eval.json", result.to_json())
         return result
 

@@ -1,0 +1,49 @@
+"""Decoding engines other than xformer's own search, for `xformer eval --ctranslate2 DIR`:
+CTranslate2 (an optional extra) on a model `xformer export --format ctranslate2` wrote. Sources
+go in as the run's sentencepiece pieces plus "</s>" (what Marian-converted models read), and
+come back as pieces, mapped to the run's ids. Imported packages load only when used."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from xformer.errors import RunError
+
+CT2_META = "xformer-ctranslate2.json"  # what export writes beside the converted model
+
+
+def ctranslate2_meta(model_dir: str | Path) -> dict:
+    """The export's record (run, checkpoint, quantization) of a CTranslate2 directory."""
+    path = Path(model_dir) / CT2_META
+    if not path.is_file():
+        raise RunError(f"ctranslate2 {model_dir}: not a directory written by xformer export --format ctranslate2 "
+                       f"(no {CT2_META})")
+    return json.loads(path.read_text(encoding="utf-8"))
+
+
+def ctranslate2_ids(model_dir: str | Path, sources: list[list[int]], pieces: list[str], *, beam: int,
+                    lenpen: float, max_len_a: float, max_len_b: int, compute_type: str = "default",
+                    batch: int = 64, threads: int = 0) -> list[list[int]]:
+    """Translate token-id sources (no EOS) with CTranslate2: ids (no BOS/EOS) per source.
+    `pieces` maps ids to the run's piece strings. The length limit is max_len_a * |src| +
+    max_len_b of the longest source of each batch (CTranslate2 takes one per batch)."""
+    try:
+        import ctranslate2
+    except ImportError:
+        raise RunError("ctranslate2: not installed (pip install ctranslate2)") from None
+    translator = ctranslate2.Translator(str(model_dir), device="cpu", compute_type=compute_type,
+                                        intra_threads=threads)
+    index = {p: i for i, p in enumerate(pieces)}
+    order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
+    out: list[list[int]] = [[] for _ in sources]
+    for start in range(0, len(order), batch):
+        chunk = order[start:start + batch]
+        tokens = [[pieces[t] for t in sources[i]] + ["</s>"] for i in chunk]
+        longest = max(len(sources[i]) for i in chunk)
+        results = translator.translate_batch(tokens, beam_size=beam, length_penalty=lenpen,
+                                             max_decoding_length=int(max_len_a * longest + max_len_b),
+                                             suppress_sequences=[["<pad>"], ["<s>"]])
+        for i, result in zip(chunk, results, strict=True):
+            out[i] = [index[p] for p in result.hypotheses[0] if p not in ("</s>", "<s>", "<pad>")]
+    return out
