@@ -301,6 +301,9 @@ def test_a_pooled_classifier_reads_what_the_full_encoder_computes(positional, at
             last = (~pad).sum(1) - 1
             states = model.encoder(tokens, pad)[torch.arange(2), last]
     torch.testing.assert_close(got, model.head(states), atol=1e-6, rtol=1e-5)
+    # the fast path is taken wherever a query's scores depend only on which keys it sees
+    takes_rows = positional not in ("rope", "alibi", "relative") and attention not in ("topk", "low_rank")
+    assert model.encoder.computes_rows() == takes_rows
 
 
 # ---------------------------------------------------------------- memory tokens

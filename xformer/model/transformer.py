@@ -161,13 +161,25 @@ class Encoder(nn.Module):
 
     def computes_rows(self) -> bool:
         """Whether the last layer may compute a few query rows alone (the classifier's pooled
-        row): not when a query's keys or scores depend on its position (pattern, rotary or
-        bias), nor with a score hook (top-k), nor while attention maps are captured (S x S)."""
+        row): not when a query's scores depend on its position beyond which keys it sees
+        (rotary, a bias), nor with a score hook (top-k), nor while attention maps are captured
+        (S x S). A pattern gives the rows their own mask (rows_mask)."""
         if not len(self.layers):
             return False
         attention = self.layers[-1].self_attn
-        return not (self.pattern.QUERY_DEPENDENT or attention.query_position_dependent
-                    or attention.score_hook is not None or attention.on_probs is not None)
+        flex_slots = attention.backend == "flex" and attention.mem_k is not None  # flex reads rows as cross
+        return not (attention.query_position_dependent or attention.score_hook is not None
+                    or attention.on_probs is not None or attention.key_projection is not None or flex_slots)
+
+    def rows_mask(self, rows: Tensor, pad: Tensor) -> Tensor:
+        """(B, 1, 1, S): what the query at position rows[b] of each sequence sees (the pattern,
+        padding, and always itself)."""
+        q = rows[:, None, None]  # (B, 1, 1)
+        k = torch.arange(pad.size(1), device=pad.device)[None, None, :]  # (1, 1, S)
+        allowed = self.pattern.allowed(q, k)
+        keep = ~pad[:, None, :]
+        allowed = keep if allowed is None else allowed & keep
+        return (allowed | (k == q))[:, None]
 
     def forward(self, tokens: Tensor, pad: Tensor, prefix: Tensor | None = None, rows: Tensor | None = None) -> Tensor:
         """tokens, pad: (B, S) -> (B, S, D) (or (B, P + S, D) with a prefix; `pad` then
@@ -177,7 +189,10 @@ class Encoder(nn.Module):
         keep = 0 if prefix is None else prefix.size(1)
         mask = self._mask(pad, x)
         for i, layer in enumerate(self.layers):
-            x = layer(x, mask, rows if i == len(self.layers) - 1 else None)
+            last = i == len(self.layers) - 1
+            if last and rows is not None and self.pattern.QUERY_DEPENDENT:
+                mask = self.rows_mask(rows, pad)
+            x = layer(x, mask, rows if last else None)
             if str(i) in self.downsample:
                 x, pad = self.downsample[str(i)](x, pad, keep)
                 mask = self._mask(pad, x)
