@@ -19,6 +19,7 @@ from xformer.bench import (
 )
 from xformer.files import atomic_write_text
 from xformer.peers import PEERS, bench_peers
+from xformer.results import Result
 from xformer_cli.common import (
     Backend,
     Command,
@@ -31,6 +32,8 @@ from xformer_cli.common import (
     stdout,
     user_errors,
 )
+
+OutOption = Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")]
 
 bench_app = typer.Typer(help="Benchmarks measured in one run, each figure with a baseline from the same run.",
                         no_args_is_help=True, rich_markup_mode=None)
@@ -56,7 +59,7 @@ def attention(
                                                       "it) [default: 512 1024 2048 4096].")] = [],  # noqa: B006
     max_seconds: Annotated[float, typer.Option("--max-seconds", help="Stop a series after a cell this "
                                                                      "slow.")] = 30.0,
-    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    out: OutOption = None,
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
@@ -78,10 +81,7 @@ def attention(
         console.print(f"[dim]{cell['pattern']:>14} {cell['backend']:>8} n={cell['length']:<6} {done}[/dim]")
 
     result = bench_attention(config, on_event=on_event)
-    if out is not None:
-        atomic_write_text(out, result.to_json())
-    if as_json:
-        typer.echo(result.to_json(indent=None))
+    if _saved(result, out, as_json):
         return
     stdout.print(bench_table(result))
     if result.cache:
@@ -118,7 +118,8 @@ def bench_table(result: AttentionBench) -> Table:
     return table
 
 
-StepsOption = Annotated[int, typer.Option("--rounds", min=1, help="Timed rounds (median, min, max).")]
+RoundsOption = Annotated[int, typer.Option("--rounds", min=1, help="Timed rounds (median, min, max).")]
+TrainStepsOption = Annotated[int, typer.Option("--steps", min=1, help="Training steps per round.")]
 
 
 def _model_config(rounds: int, batch: int, precision: Precision, device: str, **extra) -> ModelBenchConfig:
@@ -128,12 +129,12 @@ def _model_config(rounds: int, batch: int, precision: Precision, device: str, **
 @bench_app.command("train", cls=Command)
 @user_errors
 def train(
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per round.")] = 20,
-    rounds: StepsOption = 3,
+    steps: TrainStepsOption = 20,
+    rounds: RoundsOption = 3,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Sentence pairs per batch.")] = 64,
     precision: Annotated[Precision, typer.Option("--precision", help="fp32, bf16 (autocast) or fp16.")
                          ] = Precision.fp32,
-    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    out: OutOption = None,
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
@@ -148,13 +149,13 @@ def train(
 @bench_app.command("decode", cls=Command)
 @user_errors
 def decode(
-    rounds: StepsOption = 3,
+    rounds: RoundsOption = 3,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Sentences per batch.")] = 64,
     sentences: Annotated[int, typer.Option("--sentences", min=1, help="Sentences per round.")] = 256,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="Tokens generated per sentence.")] = 32,
     beam: Annotated[int, typer.Option("--beam", min=2, help="Beam size of the beam-search figure.")] = 5,
     precision: Annotated[Precision, typer.Option("--precision", help="fp32 or bf16 (autocast).")] = Precision.fp32,
-    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    out: OutOption = None,
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
@@ -166,11 +167,17 @@ def decode(
     _show(result, out, as_json, f"{sentences} sentences of {config.src_len} tokens, {new_tokens} new tokens each")
 
 
-def _show(result: ModelBench, out: Path | None, as_json: bool, caption: str) -> None:
+def _saved(result: Result, out: Path | None, as_json: bool) -> bool:
+    """Write the JSON to --out, and print it instead of a table with --json (then True)."""
     if out is not None:
         atomic_write_text(out, result.to_json())
     if as_json:
         typer.echo(result.to_json(indent=None))
+    return as_json
+
+
+def _show(result: ModelBench, out: Path | None, as_json: bool, caption: str) -> None:
+    if _saved(result, out, as_json):
         return
     table = Table(title=f"{result.parameters:,}-parameter encoder-decoder on {result.device}, {result.precision}",
                   header_style="bold", caption=caption)
@@ -189,14 +196,14 @@ Peer = choices("Peer", PEERS)
 def peers(
     names: Annotated[list[Peer], typer.Option("--peer", help="Peers (repeatable) [default: all].")
                      ] = [],  # noqa: B006
-    rounds: StepsOption = 2,
-    steps: Annotated[int, typer.Option("--steps", min=1, help="Training steps per round.")] = 20,
+    rounds: RoundsOption = 2,
+    steps: TrainStepsOption = 20,
     batch: Annotated[int, typer.Option("--batch", min=1, help="Pairs (training) and sentences (decoding) "
                                                               "per batch.")] = 64,
     sentences: Annotated[int, typer.Option("--sentences", min=1, help="Sentences decoded per round.")] = 256,
     precision: Annotated[Precision, typer.Option("--precision", help="fp32 or bf16 (autocast, every peer).")
                          ] = Precision.fp32,
-    out: Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")] = None,
+    out: OutOption = None,
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
@@ -211,10 +218,7 @@ def peers(
         console.print(f"[dim]round {p['round']} {p['peer']}: {shown}[/dim]")
 
     result = bench_peers(config, [n.value for n in names] or None, on_event=on_event)
-    if out is not None:
-        atomic_write_text(out, result.to_json())
-    if as_json:
-        typer.echo(result.to_json(indent=None))
+    if _saved(result, out, as_json):
         return
     table = Table(title=f"the peers' workload on {result.device}, {result.precision}: median of {rounds} rounds "
                         "(min-max)", header_style="bold")

@@ -3,7 +3,8 @@ import torch
 from torch import nn
 
 from tests.reference import naive_attention
-from xformer.model.attention import KVCache, MultiHeadAttention, explicit_attention, sdpa_attention
+from xformer.model.attention import MultiHeadAttention, explicit_attention, sdpa_attention
+from xformer.model.cache import KVCache
 from xformer.model.masks import causal_mask, padding_mask
 
 B, T, S, D, H = 3, 5, 7, 16, 4

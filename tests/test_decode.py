@@ -224,7 +224,7 @@ def test_sequence_logprob_ignores_padding_of_other_hypotheses():
 
 
 def test_a_preallocated_cache_holds_what_concatenation_holds_and_grows_when_full():
-    from xformer.model.attention import KVCache
+    from xformer.model.cache import KVCache
 
     torch.manual_seed(0)
     grown, plain = KVCache(capacity=2), KVCache()

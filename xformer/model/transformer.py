@@ -18,7 +18,8 @@ import math
 import torch
 from torch import Tensor, nn
 
-from xformer.model.attention import KVCache, MultiHeadAttention
+from xformer.model.attention import MultiHeadAttention
+from xformer.model.cache import KVCache
 from xformer.model.downsample import pooled_padding
 from xformer.model.feedforward import FFNS
 from xformer.model.masks import causal_mask, padding_mask
