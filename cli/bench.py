@@ -203,14 +203,22 @@ def peers(
     sentences: Annotated[int, typer.Option("--sentences", min=1, help="Sentences decoded per round.")] = 256,
     precision: Annotated[Precision, typer.Option("--precision", help="fp32 or bf16 (autocast, every peer).")
                          ] = Precision.fp32,
+    data: Annotated[str | None, typer.Option("--data", metavar="CORPUS",
+                                             help="Also train every peer on real batches of this translation "
+                                                  "corpus (a Multi30k-like folder or a Hub id), cut as xformer "
+                                                  "train cuts them.")] = None,
+    data_batches: Annotated[int, typer.Option("--data-batches", min=1, help="Real batches per round.")] = 20,
     out: OutOption = None,
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
     """The peers' workload in xformer, HF Marian, x-transformers and torch.nn.Transformer, each
     in its own process, round after round: training target tokens/s and decoding sentences/s,
-    with xformer's ratio to each."""
-    config = _model_config(rounds, batch, precision, device, steps=steps, sentences=sentences)
+    with xformer's ratio to each; with --data, training on real token-bucketed batches too."""
+    config = _model_config(rounds, batch, precision, device, steps=steps, sentences=sentences, data=data,
+                           data_batches=data_batches)
+    if data:
+        console.print(f"[dim]cutting {data_batches} training batches of {data} (tokenizer first)[/dim]")
 
     def on_event(kind: str, p: dict) -> None:
         shown = p.get("error") or ", ".join(f"{k.replace('_', ' ')} {v:,.1f}" for k, v in p.items()
@@ -235,6 +243,11 @@ def peers(
             cells.append(f"{got['median']:,.1f} ({got['min']:,.0f}-{got['max']:,.0f})" if got else "n/a")
         ratios = ", ".join(f"{r:.2f}x {p}" for p, r in result.xformer_vs.get(figure, {}).items())
         table.add_row(figure.replace("_", " "), *cells, ratios)
+    if result.data:
+        d = result.data
+        table.caption = (f"multi30k: {d['batches']} batches, {d['pairs']:,} pairs, {d['target_tokens']:,} target "
+                         f"tokens; padding {100 * d['padding_fraction']:.1f}% of xformer's batches "
+                         f"({100 * d['random_padding_fraction']:.1f}% in random batches of the same size)\n")
     for peer, error in result.errors.items():
         table.caption = (table.caption or "") + f"{peer} failed: {error}\n"
     stdout.print(table)

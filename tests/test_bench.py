@@ -107,6 +107,34 @@ def test_bench_peers_runs_each_peer_in_its_own_process_and_reports_ratios():
         assert report.xformer_vs[figure]["torch_nn"] == pytest.approx(ours[figure]["median"] / theirs[figure]["median"])
 
 
+def test_real_batches_are_xformers_token_buckets_and_every_peer_trains_on_them(corpus, tmp_path):
+    """bench peers --data: the saved batches are the token buckets of xformer train (within
+    max_tokens, BOS then target then EOS), they pad less than random batches of the same size,
+    and each peer reports real target tokens/s over them."""
+    from safetensors.torch import load_file
+
+    from xformer.bench import ModelBenchConfig
+    from xformer.peers import BOS, PAD, bench_peers, real_batches
+
+    config = ModelBenchConfig(d_model=16, n_heads=2, d_ff=32, layers=1, vocab=300, batch=2, steps=1, rounds=1,
+                              sentences=2, new_tokens=3, beam=2, device="cpu", data=str(corpus), data_batches=3,
+                              max_tokens=256)
+    made = real_batches(config, tmp_path)
+    saved = load_file(str(tmp_path / "batches.safetensors"))
+    assert made["batches"] == 3 and len(saved) == 6
+    assert made["pairs"] == sum(saved[f"{i}.src"].size(0) for i in range(3))
+    assert made["target_tokens"] == sum(int(saved[f"{i}.tgt"][:, 1:].ne(PAD).sum()) for i in range(3))
+    for i in range(3):
+        src, tgt = saved[f"{i}.src"], saved[f"{i}.tgt"]
+        assert src.size(0) * max(src.size(1), tgt.size(1) - 1) <= 256 and bool(tgt[:, 0].eq(BOS).all())
+    assert 0 <= made["padding_fraction"] < made["random_padding_fraction"] < 1
+    report = bench_peers(config, ["xformer", "torch_nn"])
+    assert not report.errors and report.data["batches"] == 3
+    for peer in ("xformer", "torch_nn"):
+        assert report.figures[peer]["multi30k_target_tokens_per_s"]["median"] > 0
+    assert "multi30k_target_tokens_per_s" in report.xformer_vs
+
+
 @pytest.mark.slow
 def test_bench_peers_against_hf_marian_through_the_cli():
     pytest.importorskip("transformers")

@@ -3,10 +3,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from xformer.config import TrainConfig
 from xformer.losses import rdrop_kl, sequence_loss
-from xformer.optim import learning_rate
+from xformer.optim import build_optimizer, learning_rate
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
@@ -116,3 +117,49 @@ def test_rdrop_for_a_classifier_is_the_plain_loss_without_dropout_and_adds_kl_wi
             losses[dropout, alpha] = ClassificationTask(recipe).loss(model, batch, rt).item()
     assert losses[0.0, 5.0] == pytest.approx(losses[0.0, 0.0], rel=1e-5)
     assert losses[0.3, 5.0] > losses[0.3, 1e-9] + 1e-4
+
+
+def _naive_adam(params, grads_per_step, lrs, *, betas, eps, weight_decay, decoupled):
+    """Adam / AdamW written out (Kingma & Ba 2015, Algorithm 1; Loshchilov & Hutter 2019), in float64."""
+    b1, b2 = betas
+    out = [p.detach().double().clone() for p in params]
+    m = [torch.zeros_like(p) for p in out]
+    v = [torch.zeros_like(p) for p in out]
+    for t, (grads, lr) in enumerate(zip(grads_per_step, lrs, strict=True), start=1):
+        for i, (p, g) in enumerate(zip(out, grads, strict=True)):
+            g = g.double()
+            decay = weight_decay if p.dim() >= 2 else 0.0  # matrices only
+            if decoupled:
+                p.mul_(1 - lr * decay)
+            else:
+                g = g + decay * p
+            m[i] = b1 * m[i] + (1 - b1) * g
+            v[i] = b2 * v[i] + (1 - b2) * g * g
+            m_hat, v_hat = m[i] / (1 - b1**t), v[i] / (1 - b2**t)
+            p.sub_(lr * m_hat / (v_hat.sqrt() + eps))
+    return out
+
+
+@pytest.mark.parametrize("optimizer", ["adam", "adamw"])
+@pytest.mark.parametrize("fast_paths", [True, False])  # the fused update and the per-tensor one
+def test_optimizer_step_is_adam_written_out(optimizer, fast_paths):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(7, 5), nn.LayerNorm(5), nn.Linear(5, 3))
+    cfg = TrainConfig(optimizer=optimizer, lr=1e-2, betas=[0.9, 0.98], adam_eps=1e-8, weight_decay=0.1,
+                      fast_paths=fast_paths, max_steps=10)
+    opt = build_optimizer(model, cfg)
+    assert bool(opt.param_groups[0]["fused"]) is fast_paths
+    params = list(model.parameters())
+    start = [p.detach().clone() for p in params]
+    grads_per_step = [[torch.randn_like(p) for p in params] for _ in range(4)]
+    lrs = [1e-2, 5e-3, 2e-2, 1e-3]  # the loop sets each step's rate in the groups
+    for grads, lr in zip(grads_per_step, lrs, strict=True):
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.step()
+    want = _naive_adam(start, grads_per_step, lrs, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.1,
+                       decoupled=optimizer == "adamw")
+    for got, ref in zip(params, want, strict=True):
+        torch.testing.assert_close(got.detach().double(), ref, atol=1e-6, rtol=1e-5)

