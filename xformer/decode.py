@@ -113,8 +113,9 @@ def beam_search(
     candidates among the first k are finished hypotheses; the first k non-EOS candidates
     are the next beam. A sentence is done when it has k finished hypotheses, or at its
     max_len, where EOS ends every live hypothesis. Done sentences leave the batch, their
-    rows dropped from the cache, so they cost nothing more. The encoder runs once; its
-    output is expanded to k rows per sentence.
+    rows dropped from the cache, so they cost nothing more. The encoder runs once. The first
+    step decodes one row per sentence (its beams all start from BOS), so the cross-attention
+    keys and values are computed once per sentence; the caches then expand to k rows.
     """
     k = beam
     if k < 1:
@@ -122,23 +123,21 @@ def beam_search(
     with _eval_mode(model):
         b, device = src.size(0), src.device
         max_len = _max_lengths(model, src, max_len_a, max_len_b, pad_id)
-        memory, memory_pad = model.encode(src)
-        memory = memory.repeat_interleave(k, dim=0)  # (B*k, S, D)
-        memory_pad = memory_pad.repeat_interleave(k, dim=0)  # (B*k, S)
+        memory, memory_pad = model.encode(src)  # (B, S, D), (B, S); k rows a sentence after step 0
         cache = model.new_cache(max(max_len, default=0) + 1)
 
         active = list(range(b))  # original sentence of each of the n decoding sentences
         finished: list[list[tuple[float, list[int]]]] = [[] for _ in range(b)]  # (score, tokens)
-        # Only beam 0 is real at the start; the others are -inf so they are never chosen over it.
-        scores = torch.full((b, k), -math.inf, device=device)  # (n, k) sum log p, fp32
-        scores[:, 0] = 0.0
-        tokens = src.new_empty((b * k, 0))  # (n*k, step) generated so far
-        prev = src.new_full((b * k, 1), bos_id)
-        base = torch.arange(b, device=device)[:, None] * k  # (n, 1) first row of each sentence
+        width = 1  # rows a sentence has: one at step 0 (every beam is BOS), then k
+        scores = torch.zeros((b, width), device=device)  # (n, width) sum log p, fp32
+        tokens = src.new_empty((b, 0))  # (n*width, step) generated so far
+        prev = src.new_full((b, 1), bos_id)
+        base = torch.arange(b, device=device)[:, None] * width  # (n, 1) first row of each sentence
+        beams = torch.arange(k, device=device)  # beam j of a sentence comes from its row j % width
 
         for step in range(max(max_len, default=0) + 1):
             n = len(active)
-            logits = model.decode(prev, memory, memory_pad, cache)[:, -1].float()  # (n*k, V)
+            logits = model.decode(prev, memory, memory_pad, cache)[:, -1].float()  # (n*width, V)
             log_z = logits.logsumexp(dim=-1, keepdim=True)  # log p = logit - log_z, never renormalised
             eos_lprob = logits[:, eos_id] - log_z[:, 0]
             _ban_(logits, step, min_len, bos_id, eos_id, pad_id)
@@ -149,14 +148,19 @@ def beam_search(
             row_lprobs = row_lprobs - log_z
             at_max = [max_len[s] <= step for s in active]
             if any(at_max):  # EOS only, clamped so that a hypothesis ends even if p(EOS) = 0
-                forced = torch.tensor(at_max, device=device).repeat_interleave(k)[:, None]  # (n*k, 1)
+                forced = torch.tensor(at_max, device=device).repeat_interleave(width)[:, None]  # (n*width, 1)
                 only_eos = torch.full_like(row_lprobs, -math.inf)
                 only_eos[:, 0] = eos_lprob.clamp(min=torch.finfo(row_lprobs.dtype).min)
                 row_lprobs = torch.where(forced, only_eos, row_lprobs)
                 row_tokens = torch.where(forced, eos_id, row_tokens)
-            candidates = (scores[:, :, None] + row_lprobs.view(n, k, c)).view(n, k * c)
-            top_scores, top = candidates.topk(min(2 * k, k * c), dim=1)  # (n, 2k), best first
-            top_beam, top_token = top // c, row_tokens.view(n, k * c).gather(1, top)
+            candidates = (scores[:, :, None] + row_lprobs.view(n, width, c)).view(n, width * c)
+            flat_tokens = row_tokens.view(n, width * c)
+            if width * c < 2 * k:  # fewer candidates than 2k (step 0, a small vocabulary): -inf
+                fill = 2 * k - width * c  # fillers, never chosen over a real candidate
+                candidates = torch.cat([candidates, candidates.new_full((n, fill), -math.inf)], dim=1)
+                flat_tokens = torch.cat([flat_tokens, flat_tokens.new_full((n, fill), pad_id)], dim=1)
+            top_scores, top = candidates.topk(2 * k, dim=1)  # (n, 2k), best first
+            top_beam, top_token = (top // c).clamp(max=width - 1), flat_tokens.gather(1, top)
             is_eos = top_token.eq(eos_id)
 
             # Finished hypotheses: EOS among the first k candidates, best first, until k.
@@ -180,16 +184,20 @@ def beam_search(
             going = [not done and len(finished[s]) < k for s, done in zip(active, at_max, strict=True)]
             if not any(going):
                 break
-            cross = None  # beams of a sentence share its encoder keys: reorder them only when sentences leave
-            if not all(going):
-                keep = torch.tensor([i for i, g in enumerate(going) if g], device=device)
-                keep_rows = (keep[:, None] * k + torch.arange(k, device=device)).view(-1)
+            # Beams of a sentence share its encoder keys: the cross caches change only when
+            # sentences leave, or when the one row of step 0 becomes k.
+            keep = None if all(going) else torch.tensor([i for i, g in enumerate(going) if g], device=device)
+            cross = None
+            if keep is not None or width != k:
+                sentences = keep if keep is not None else torch.arange(n, device=device)
+                cross = (sentences[:, None] * width + beams % width).view(-1)  # (n'*k,) rows of the old caches
+                memory, memory_pad = memory[cross], memory_pad[cross]
+            if keep is not None:
                 active = [active[i] for i in keep.tolist()]
                 scores = scores[keep]
                 rows, token = rows.view(n, k)[keep].view(-1), token.view(n, k)[keep].view(-1)
-                memory, memory_pad = memory[keep_rows], memory_pad[keep_rows]
-                base = base[: len(active)]
-                cross = keep_rows
+            width = k
+            base = torch.arange(len(active), device=device)[:, None] * width
             cache.reorder(rows, cross)
             tokens = torch.cat([tokens[rows], token[:, None]], dim=1)
             prev = token[:, None]
