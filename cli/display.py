@@ -51,9 +51,13 @@ class TrainDisplay:
         elif kind == "tick":
             self.progress.update(self.task, completed=payload["fraction"] * TOTAL, step=payload["step"])
         elif kind == "step":
+            loss = "not finite" if payload["loss"] is None else f"{payload['loss']:.3f}"
             self.progress.update(
                 self.task, completed=payload["fraction"] * TOTAL, step=payload["step"], epoch=payload["epoch"],
-                loss=f"{payload['loss']:.3f}", lr=f"{payload['lr']:.2e}", tps=f"{payload['tokens_per_s']:,.0f}")
+                loss=loss, lr=f"{payload['lr']:.2e}", tps=f"{payload['tokens_per_s']:,.0f}")
+            if payload.get("skipped"):
+                self.progress.console.print(f"[yellow]step {payload['step']}: {payload['skipped']} step(s) skipped "
+                                            "since the last line (loss or gradients not finite)[/yellow]")
         elif kind == "valid":
             extra = "".join(f" {key} {payload[key]:.2f}" for key in ("ppl", "bleu", "accuracy") if key in payload)
             mark = " [green]best[/green]" if payload.get("best") else ""

@@ -85,3 +85,35 @@ def test_the_probe_measures_a_real_matmul():
     assert ratio > 0
     native, why, _ = cpu_bf16()
     assert isinstance(native, bool) and why
+
+
+@pytest.mark.parametrize("fast_paths", [True, False])  # the fused Adam (no host sync) and the per-tensor one
+@pytest.mark.parametrize("clip_norm", [0.0, 1.0])
+def test_a_step_with_a_nonfinite_gradient_is_skipped_and_leaves_the_optimizer_as_it_was(fast_paths, clip_norm):
+    from xformer.config import TrainConfig
+    from xformer.optim import build_optimizer
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = build_optimizer(model, TrainConfig(lr=0.1, fast_paths=fast_paths, max_steps=1))
+    rt = resolve_runtime("cpu", "fp32")
+
+    def step(poison: float | None):
+        model(torch.randn(5, 4)).sum().backward()
+        if poison is not None:
+            model[1].weight.grad[0, 0] = poison
+        skipped = rt.step(optimizer, model, clip_norm)
+        optimizer.zero_grad(set_to_none=True)
+        return float(skipped)
+
+    assert step(None) == 0.0
+    before = [p.detach().clone() for p in model.parameters()]
+    moments = {k: v.clone() for k, v in optimizer.state[model[0].weight].items()}
+    for poison in (float("nan"), float("inf")):
+        assert step(poison) == 1.0
+        for p, q in zip(model.parameters(), before, strict=True):
+            assert torch.equal(p, q)
+        for k, v in optimizer.state[model[0].weight].items():
+            assert torch.equal(v, moments[k]), k  # moments and the step count included
+    assert step(None) == 0.0 and not torch.equal(model[0].weight, before[0])
+    assert float(optimizer.state[model[0].weight]["step"]) == 2

@@ -165,6 +165,37 @@ def test_a_compiled_run_trains_what_an_eager_run_trains(corpus, tmp_path):
     assert len(losses[True]) == 5 and losses[True] == pytest.approx(losses[False], rel=1e-3)
 
 
+def test_a_run_that_goes_nonfinite_skips_steps_then_stops_with_what_to_try(corpus, tmp_path):
+    """A NaN planted in a weight of the last checkpoint makes every resumed step non-finite:
+    each is skipped (the weights stay as they were, the skips are in metrics.jsonl), and after
+    train.max_nonfinite_steps in a row the run stops with one line, its checkpoint intact."""
+    from xformer.checkpoint import write_tensors
+
+    out = tmp_path / "r"
+    run(tiny_recipe(corpus, "train.max_steps=6"), out, device="cpu")
+    last = out / "checkpoints" / "last.safetensors"
+    tensors, meta = read_checkpoint(last)
+    name = next(k for k in tensors if k.startswith("model.") and tensors[k].dim() == 2)
+    tensors[name][0, 0] = float("nan")
+    write_tensors(last, tensors, {k: v for k, v in meta.items() if k != "format"})
+    recipe = tiny_recipe(corpus, "train.max_steps=30", "train.max_nonfinite_steps=3", "train.log_every=1")
+    with pytest.raises(RunError, match=r"not finite for 4 steps in a row, up to step 10; lower train.lr"):
+        run(recipe, out, device="cpu", resume=True)
+    after, meta_after = read_checkpoint(last)
+    assert meta_after["progress"]["step"] == 10
+    for key in tensors:
+        if key.startswith("model."):
+            assert torch.allclose(after[key], tensors[key], rtol=0, atol=0, equal_nan=True), key
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    resumed = [r for r in records if r["kind"] == "train" and r["step"] > 6]
+    assert [r["skipped"] for r in resumed] == [1, 1, 1, 1] and all(r["loss"] is None for r in resumed)
+    sets = [arg for value in TINY + [f"data.dataset={json.dumps(str(corpus))}", "train.max_nonfinite_steps=2"]
+            for arg in ("--set", value)]
+    again = runner.invoke(app, ["train", str(RECIPE), *sets, "--max-steps", "30", "--out", str(out), "--resume"])
+    assert again.exit_code == 2 and "not finite for 3 steps in a row, up to step 13" in again.output
+    assert "Traceback" not in again.output
+
+
 def test_resume_refuses_a_different_model(corpus, trained):
     out, _ = trained
     with pytest.raises(RunError, match=r"different \[model\] values \(d_model\)"):

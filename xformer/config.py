@@ -246,6 +246,9 @@ class TrainConfig:
     # symmetric KL between the two output distributions; 0 disables it. Costs ~2x per step.
     rdrop_alpha: float = 0.0
     clip_norm: float = 0.0  # 0 disables gradient clipping
+    # a step whose loss or gradients are not finite is skipped (counted in metrics.jsonl as
+    # "skipped"); this many in a row stop the run with what to try
+    max_nonfinite_steps: int = 10
     accumulate_steps: int = 1  # gradient accumulation: batches per optimizer step
     max_steps: int = 0  # 0: no step limit
     max_epochs: int = 0  # 0: no epoch limit
@@ -273,7 +276,7 @@ class TrainConfig:
     def problems(self) -> list[str]:
         out = positive(self, "lr", "adam_eps", "accumulate_steps", "valid_every", "log_every")
         out += non_negative(
-            self, "weight_decay", "warmup_steps", "clip_norm", "max_steps", "max_epochs",
+            self, "weight_decay", "warmup_steps", "clip_norm", "max_nonfinite_steps", "max_steps", "max_epochs",
             "max_time", "patience", "average_last", "rdrop_alpha", "log_seconds",
         )
         out += probability(self, "label_smoothing")

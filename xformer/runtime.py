@@ -41,17 +41,33 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_norm: float) -> None:
-        """Unscale (fp16), clip, step; the scaler skips steps whose gradients overflowed."""
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_norm: float) -> torch.Tensor:
+        """Unscale (fp16), clip, step, unless a gradient is not finite (NaN or inf: an
+        overflow, a diverging run, a damaged weight): then the update is skipped and the
+        optimizer's moments and step count stay as they were. fp16's scaler decides by its own
+        rule, which is the same test, and lowers its scale. Returns a 0-dim float tensor on the
+        device, 1.0 for a skipped step; without a host sync when the optimizer is fused (its
+        kernel reads `found_inf`), with one otherwise."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
+        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if clip_norm > 0:
-            nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+            norm = nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
+        else:
+            norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
+        skipped = norm.isfinite().logical_not().float()
         if self.scaler is not None:
             self.scaler.step(optimizer)
             self.scaler.update()
-        else:
+        elif optimizer.defaults.get("fused"):
+            optimizer.found_inf = skipped  # the fused kernel leaves everything as it was when 1
+            try:
+                optimizer.step()
+            finally:
+                del optimizer.found_inf
+        elif not bool(skipped):
             optimizer.step()
+        return skipped
 
     def state(self) -> tuple[dict[str, torch.Tensor], dict]:
         """RNG states as tensors and the scaler's state as JSON, for checkpoints."""

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import math
 import signal
 import threading
 import time
@@ -68,6 +67,7 @@ class TrainResult:
     precision_reason: str = ""  # what precision "auto" found, or "asked for"
     peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth, 0 unless measured
     history: list[dict] = field(default_factory=list)
+    skipped_steps: int = 0  # not finite, so not taken (Runtime.step)
 
     @property
     def loop_overhead(self) -> float:
@@ -88,6 +88,7 @@ class Progress:
     data_seconds: float = 0.0
     loop_seconds: float = 0.0
     tokens: int = 0
+    skipped_steps: int = 0  # steps whose loss or gradients were not finite, so not taken
     peak_memory_mb: float = 0.0
     best: dict | None = None
     bad_validations: int = 0
@@ -216,6 +217,8 @@ def run(
 
     stop_reason = None
     log_loss, log_units, log_tokens, log_time = 0.0, 0, 0, time.perf_counter()
+    zero = torch.zeros((), device=rt.device)
+    log_skipped, log_skipped_units, skipped_run = zero, zero, zero  # on the device: no sync per step
     model.train()
     memory = PeakMemory(rt.device) if measure_memory else allocator_peak(rt.device)
     with signals, memory:
@@ -233,13 +236,17 @@ def run(
                     g["lr"] = lr
                 n_units = sum(task.units(b) for b in group)  # what the loss is averaged over
                 n_tokens = sum(task.tokens(b) for b in group)
+                step_loss = 0.0
                 for batch in group:
                     loss = task.loss(trained, batch, rt)
                     rt.backward(loss / n_units)
-                    log_loss = log_loss + loss.detach()  # stays on the device: no sync per step
-                log_units += n_units
-                rt.step(optimizer, model, cfg.clip_norm)
+                    step_loss = step_loss + loss.detach()
+                skipped = rt.step(optimizer, model, cfg.clip_norm)  # 1.0 when not finite
                 optimizer.zero_grad(set_to_none=True)
+                log_loss = log_loss + torch.where(skipped.bool(), 0.0, step_loss)  # stays on the device
+                log_units += n_units
+                log_skipped, log_skipped_units = log_skipped + skipped, log_skipped_units + skipped * n_units
+                skipped_run = (skipped_run + skipped) * skipped  # consecutive skips, 0 after a taken step
                 t2 = time.perf_counter()
                 progress.batch_in_epoch += len(group)
                 progress.data_seconds += t1 - t0
@@ -248,19 +255,29 @@ def run(
                 log_tokens += n_tokens
                 now = time.perf_counter()
                 # by steps, and by time so that a slow machine shows a first line within a minute
-                if progress.step % cfg.log_every == 0 or (cfg.log_seconds and now - log_time >= cfg.log_seconds):
-                    mean_loss = float(log_loss) / log_units
-                    if not math.isfinite(mean_loss):
-                        raise RunError(f"train.lr: the loss is {mean_loss} by step {progress.step}; "
-                                       "lower train.lr, add warmup, or train in fp32")
+                logging = progress.step % cfg.log_every == 0 or (cfg.log_seconds and now - log_time >= cfg.log_seconds)
+                if logging:
+                    taken = log_units - float(log_skipped_units)
                     record = {"kind": "train", "step": progress.step, "epoch": progress.epoch + 1,
-                              "loss": mean_loss, "lr": lr,
+                              "loss": float(log_loss) / taken if taken else None, "lr": lr,
                               "tokens_per_s": log_tokens / (now - log_time), "seconds": elapsed()}
+                    if int(log_skipped):
+                        record["skipped"] = int(log_skipped)
+                        progress.skipped_steps += int(log_skipped)
                     _append_jsonl(out_dir / "metrics.jsonl", record)
                     log_loss, log_units, log_tokens, log_time = 0.0, 0, 0, now
+                    log_skipped, log_skipped_units = zero, zero
                     emit("step", {**record, "fraction": fraction_done()})
                 else:
                     emit("tick", {"step": progress.step, "fraction": fraction_done()})
+                # a host sync: every step on the CPU (free there), at log lines elsewhere
+                if (logging or rt.device.type == "cpu") and int(skipped_run) > cfg.max_nonfinite_steps:
+                    checkpoint("nonfinite")  # the skipped steps left the weights as they were
+                    scale = f", loss scale {rt.scaler.get_scale():g}" if rt.scaler is not None else ""
+                    raise RunError(f"train.max_nonfinite_steps: the loss or gradients were not finite for "
+                                   f"{int(skipped_run)} steps in a row, up to step {progress.step}{scale}; "
+                                   "lower train.lr, raise train.warmup_steps, set train.clip_norm (e.g. 1.0) "
+                                   "or train in fp32, then --resume")
                 progress.loop_seconds += time.perf_counter() - t0
                 # A signal is acted on at a step boundary, so the checkpoint resumes exactly; one
                 # that lands on a validation step lets that validation and its step checkpoint
@@ -301,7 +318,7 @@ def run(
         data_seconds=progress.data_seconds, loop_seconds=progress.loop_seconds,
         tokens=progress.tokens, device=str(rt.device), precision=rt.precision, precision_reason=rt.reason,
         parameters=parameters,
-        peak_memory_mb=progress.peak_memory_mb, history=progress.history,
+        peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
     )
     atomic_write_text(out_dir / "train.json", json.dumps({**asdict(result), "loop_overhead": result.loop_overhead},
                                                          indent=2))
