@@ -57,6 +57,8 @@ def evaluate(
                               device=device, quantize=quantize.value if quantize else None,
                               ctranslate2=str(ctranslate2) if ctranslate2 else None,
                               on_progress=lambda done, total: progress.update(bar, completed=done, total=total))
+    for warning in result.warnings or []:
+        typer.echo(f"warning: {warning}", err=True)
     if as_json:
         typer.echo(result.to_json(indent=None))
     elif isinstance(result, ClassificationEval):

@@ -219,6 +219,34 @@ def test_evaluate_writes_scores_and_hypotheses(trained, corpus):
     assert len(hyps) == 40
 
 
+def test_train_and_eval_write_a_run_card_and_eval_says_when_the_data_changed(trained, corpus, tmp_path):
+    """train.json and eval JSONs carry the run card: versions, seed, device and precision, and
+    the sha256 of each split's files; eval warns when its split's files are not training's."""
+    import hashlib
+    import shutil
+
+    out, _ = trained
+    card = json.loads((out / "train.json").read_text())["card"]
+    assert card["seed"] == 1 and card["precision"] == "fp32" and card["recipe"]["data"]["vocab_size"] == 300
+    assert set(card["versions"]) == {"xformer", "torch", "sacrebleu", "sentencepiece", "datasets"}
+    assert card["versions"]["torch"] in (torch.__version__, torch.__version__.split("+")[0])
+    for split, name in (("train", "train.jsonl"), ("validation", "val.jsonl"), ("test", "test.jsonl")):
+        digest = hashlib.sha256(name.encode() + b"\0" + (corpus / name).read_bytes()).hexdigest()[:16]
+        assert card["data"][split] == digest, split
+    copy = tmp_path / "run"
+    shutil.copytree(out, copy)
+    report = evaluate_run(copy, checkpoint="last", device="cpu")
+    assert report.warnings == [] and report.card["data"] == {"test": card["data"]["test"]}
+    summary = json.loads((copy / "train.json").read_text())
+    summary["card"]["data"]["test"] = "0" * 16  # as if the test file had changed since training
+    (copy / "train.json").write_text(json.dumps(summary))
+    report = evaluate_run(copy, checkpoint="last", device="cpu")
+    assert len(report.warnings) == 1 and "split 'test': the files differ from the ones training read" in \
+        report.warnings[0]
+    shown = runner.invoke(app, ["eval", str(copy), "--checkpoint", "last", "--device", "cpu"])
+    assert shown.exit_code == 0 and "warning: " in shown.output and "differ from the ones training read" in shown.output
+
+
 def test_cli_eval_translate_and_errors(trained, corpus, tmp_path):
     out, _ = trained
     result = runner.invoke(app, ["eval", str(out), "--checkpoint", "best", "--beam", "1", "--json",

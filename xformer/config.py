@@ -213,6 +213,11 @@ class DataConfig:
                        f"xformer.tasks.TASKS[{self.task!r}].Data")
         return out
 
+    def fingerprints(self) -> dict[str, str]:
+        """Split name -> fingerprint of the data files it reads (xformer.runcard); none for
+        data a task generates from the recipe's own fields."""
+        return {}
+
     def recipe_problems(self, recipe: Recipe) -> list[str]:
         """Rules that tie this table to the others (model.arch, train.best_metric)."""
         out = []

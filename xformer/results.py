@@ -42,6 +42,8 @@ class TranslationEval(Result):
     hypotheses: str  # the file of hypotheses, one per line
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
     engine: str | None = None  # "ctranslate2" when an exported model decoded
+    card: dict | None = None  # what reproducing the score needs (xformer.runcard)
+    warnings: list[str] | None = None  # e.g. the split's files differ from what training read
 
 
 @dataclass
@@ -59,6 +61,8 @@ class ClassificationEval(Result):
     predictions: str  # the file of predicted labels, one per line
     confusion: list[list[int]] | None = None  # [true][predicted]; None above 20 classes
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
+    card: dict | None = None  # what reproducing the score needs (xformer.runcard)
+    warnings: list[str] | None = None  # e.g. the split's files differ from what training read
 
 
 @dataclass

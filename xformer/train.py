@@ -44,6 +44,7 @@ from xformer.model.dropout import use_fast_dropout
 from xformer.model.flex import unavailable as flex_unavailable
 from xformer.optim import build_optimizer, learning_rate
 from xformer.recipe_io import load_recipe
+from xformer.runcard import run_card
 from xformer.rundir import check_out_dir, check_tokenizer, clear_run_dir, mark_run_dir, tokenizer_digest
 from xformer.runtime import Runtime, resolve_runtime
 from xformer.tasks import make_task
@@ -68,6 +69,7 @@ class TrainResult:
     peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth, 0 unless measured
     history: list[dict] = field(default_factory=list)
     skipped_steps: int = 0  # not finite, so not taken (Runtime.step)
+    card: dict = field(default_factory=dict)  # what reproducing the run needs (xformer.runcard)
 
     @property
     def loop_overhead(self) -> float:
@@ -152,6 +154,7 @@ def run(
     prepare_run_dir(out_dir, recipe, **where, check_only=True)  # before minutes of data loading
     task = make_task(recipe)
     task.load(emit)
+    card = run_card(recipe, rt, recipe.data.fingerprints())
     removed = prepare_run_dir(out_dir, recipe, **where)
     if removed:
         emit("setup", {"message": f"--overwrite removed {', '.join(removed)} from {out_dir}"})
@@ -319,6 +322,7 @@ def run(
         tokens=progress.tokens, device=str(rt.device), precision=rt.precision, precision_reason=rt.reason,
         parameters=parameters,
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
+        card={**card, "wall_seconds": time.perf_counter() - started},
     )
     atomic_write_text(out_dir / "train.json", json.dumps({**asdict(result), "loop_overhead": result.loop_overhead},
                                                          indent=2))

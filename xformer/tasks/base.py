@@ -25,6 +25,7 @@ in xformer.tasks.TASKS (tests/test_tasks_api.py adds one that way).
 
 from __future__ import annotations
 
+import json
 import unicodedata
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,11 +36,12 @@ import torch
 
 from xformer.checkpoint import load_model_weights, read_checkpoint, run_checkpoint
 from xformer.config import DataConfig, Recipe
-from xformer.data.corpus import load_split
+from xformer.data.corpus import data_fingerprints, load_split
 from xformer.errors import DataError, RunError
 from xformer.events import Event
 from xformer.model.build import build_model
 from xformer.quantize import quantize_model
+from xformer.runcard import run_card
 from xformer.rundir import check_tokenizer
 from xformer.runtime import Runtime, resolve_runtime
 from xformer.strict import positive
@@ -62,6 +64,13 @@ class CorpusData(DataConfig):
     vocab_size: int = 8000
     character_coverage: float = 1.0
     byte_fallback: bool = False
+
+    def fields(self) -> list[str]:
+        """The columns every row holds (each task's table says which)."""
+        raise NotImplementedError
+
+    def fingerprints(self) -> dict[str, str]:
+        return data_fingerprints(self.dataset, self.fields())
 
     def problems(self) -> list[str]:
         out = super().problems() + positive(self, "vocab_size")
@@ -141,6 +150,22 @@ class Task:
         load_model_weights(model, tensors, path)
         model = model.to(rt.device).eval()
         return (quantize_model(model, quantize, rt.device) if quantize else model), rt
+
+    def eval_card(self, run_dir: str | Path, rt: Runtime | None, split: str, data: str | None) -> tuple[dict, list]:
+        """The run card of an evaluation of `split` (or of the file or folder `data`) and what it
+        warns of: the split's files differ from the ones training fingerprinted."""
+        d = self.recipe.data
+        prints = data_fingerprints(data, d.fields()) if data is not None else d.fingerprints()
+        mine = next(iter(prints.values()), None) if data is not None else prints.get(split)
+        card = run_card(self.recipe, rt, {split if data is None else str(data): mine} if mine else {})
+        warnings = []
+        trained_file = Path(run_dir) / "train.json"
+        if data is None and mine and trained_file.is_file():
+            trained = json.loads(trained_file.read_text()).get("card", {}).get("data", {}).get(split)
+            if trained and trained != mine:
+                warnings.append(f"{d.dataset} split '{split}': the files differ from the ones training read "
+                                f"(fingerprint {mine}, training's {trained})")
+        return card, warnings
 
     def evaluate(self, run_dir: Path, request: EvalRequest):
         raise NotImplementedError

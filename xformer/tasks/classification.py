@@ -47,6 +47,9 @@ class ClassificationData(CorpusData):
     text_field: str = "text"
     label_field: str = "label"
 
+    def fields(self) -> list[str]:
+        return [self.text_field, self.label_field]
+
 
 class ClassificationTask(Task):
     """A text+label corpus; subclasses replace where the examples come from."""
@@ -160,6 +163,7 @@ class ClassificationTask(Task):
             predictions=str(out_dir / f"{stem}.pred"), quantize=request.quantize,
             confusion=(confusion_matrix(predicted, examples.labels, len(self.labels))
                        if len(self.labels) <= CONFUSION_MAX_CLASSES else None))
+        result.card, result.warnings = self.eval_card(run_dir, rt, request.split or self.test_split(), request.data)
         atomic_write_text(out_dir / f"{stem}.pred", "".join(self.labels[p] + "\n" for p in predicted))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
         if request.data is None and name == self.test_split() and not request.quantize:  # RUN/eval.json: the

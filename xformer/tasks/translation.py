@@ -66,6 +66,9 @@ class TranslationData(CorpusData):
     sampling_alpha: float = 0.0
     sampling_nbest: int = -1
 
+    def fields(self) -> list[str]:
+        return [self.source_lang, self.target_lang]
+
     def problems(self) -> list[str]:
         out = super().problems()
         if self.source_lang == self.target_lang:
@@ -201,6 +204,7 @@ class TranslationTask(Task):
         if request.ctranslate2:  # the exported model decodes; the run supplies tokenizer and data
             meta = ctranslate2_meta(request.ctranslate2)
             checkpoint = meta["checkpoint"]
+            model = rt = None  # CTranslate2 decodes
             self.load_vocabulary(Path(run_dir))
         else:
             model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=request.quantize)
@@ -241,6 +245,8 @@ class TranslationTask(Task):
             lenpen=lenpen, decode_seconds=seconds, sentences_per_s=len(hyps) / max(seconds, 1e-9),
             hypotheses=str(out_dir / f"{stem}.hyp"), quantize=request.quantize,
             engine="ctranslate2" if request.ctranslate2 else None)
+        result.card, result.warnings = self.eval_card(run_dir, rt, split, request.data)
+        result.card["wall_seconds"] = time.perf_counter() - started
         atomic_write_text(out_dir / f"{stem}.hyp", "".join(h + "\n" for h in hyps))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
         as_trained = not (request.quantize or request.ctranslate2)

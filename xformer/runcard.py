@@ -1,0 +1,72 @@
+"""The run card: what a number needs to be reproduced, written beside it.
+
+`xformer train` puts it in RUN/train.json ("card") and `xformer eval` in every eval JSON: the
+resolved recipe and seed, xformer's version and git commit (when it runs from a checkout),
+the versions of torch, sacreBLEU, sentencepiece and datasets, Python, the platform and CPU,
+the device, the precision and why, the command line, and a fingerprint of each local data
+file read (sha256 of its bytes). A Hub corpus is named with the revision datasets resolved,
+not hashed. Evaluation compares the fingerprint of the split it reads with training's and
+says when they differ (xformer.tasks)."""
+
+from __future__ import annotations
+
+import platform
+import subprocess
+import sys
+from functools import lru_cache
+from importlib import metadata
+from pathlib import Path
+
+from xformer.config import Recipe
+from xformer.runtime import Runtime
+
+PACKAGES = ("torch", "sacrebleu", "sentencepiece", "datasets")
+
+
+def run_card(recipe: Recipe, rt: Runtime | None, data: dict[str, str] | None = None) -> dict:
+    """The card of a run about to train or evaluate with `recipe` on `rt` (None: another
+    engine decodes); `data`: split name -> fingerprint of what it reads
+    (xformer.data.corpus.data_fingerprints)."""
+    return {"recipe": recipe.to_dict(), "seed": recipe.train.seed, **environment(),
+            "device": str(rt.device) if rt else None, "precision": rt.precision if rt else None,
+            "precision_reason": rt.reason if rt else None,
+            "command": [Path(sys.argv[0]).name, *sys.argv[1:]], "data": data or {}}
+
+
+@lru_cache(maxsize=1)
+def environment() -> dict:
+    """Versions, commit, platform and CPU of this process (computed once)."""
+    versions = {}
+    for name in ("xformer", *PACKAGES):
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = None
+    return {"versions": versions, "git_commit": git_commit(), "python": platform.python_version(),
+            "platform": platform.platform(), "cpu": cpu_name()}
+
+
+def git_commit() -> str | None:
+    """The commit of the checkout xformer runs from, "+dirty" when files differ; None outside git."""
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    try:
+        commit = subprocess.run(["git", "-C", str(root), "rev-parse", "HEAD"], capture_output=True, text=True,
+                                timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=no"],
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (commit + ("+dirty" if dirty else "")) or None
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo), else what platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
