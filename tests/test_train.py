@@ -314,6 +314,42 @@ def test_a_damaged_checkpoint_is_refused_not_unpickled(tmp_path):
         read_checkpoint(path)
 
 
+@pytest.mark.parametrize("damage", ["flipped-byte", "truncated"])
+def test_a_damaged_last_checkpoint_is_named_and_resume_falls_back_to_the_previous_one(corpus, tmp_path, damage):
+    """One flipped bit in the tensor data (the sha256 in the metadata catches it) or a file cut
+    in half: eval says so in one line, and --resume continues from checkpoints/previous (the
+    last before it), ending with the tensors of a run never interrupted."""
+    import struct
+
+    extra = ["train.valid_every=5", "model.dropout=0.3"]
+    run(tiny_recipe(corpus, *extra, "train.max_steps=15"), tmp_path / "straight", device="cpu")
+    out = tmp_path / "r"
+    run(tiny_recipe(corpus, *extra, "train.max_steps=10"), out, device="cpu")
+    last = out / "checkpoints" / "last.safetensors"
+    assert read_checkpoint(out / "checkpoints" / "previous.safetensors")[1]["progress"]["step"] == 5
+    data = bytearray(last.read_bytes())
+    if damage == "flipped-byte":
+        start = 8 + struct.unpack("<Q", bytes(data[:8]))[0]  # the tensors follow the JSON header
+        data[start + 1000] ^= 0x04
+    else:
+        data = data[: len(data) // 2]
+    last.write_bytes(bytes(data))
+    with pytest.raises(RunError, match="damaged" if damage == "flipped-byte" else "not a readable"):
+        read_checkpoint(last)
+    shown = runner.invoke(app, ["eval", str(out), "--checkpoint", "last", "--device", "cpu"])
+    assert shown.exit_code == 2 and "last.safetensors" in shown.output and "Traceback" not in shown.output
+    events = []
+    resumed = run(tiny_recipe(corpus, *extra, "train.max_steps=15"), out, device="cpu", resume=True,
+                  on_event=lambda kind, payload: events.append((kind, payload)))
+    assert resumed.steps == 15
+    assert any("resuming from" in p["message"] and "previous.safetensors (step 5)" in p["message"]
+               for k, p in events if k == "warning")
+    a, _ = read_checkpoint(tmp_path / "straight" / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(last)
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+
+
 @pytest.mark.parametrize(("signame", "at"), [("SIGINT", 4), ("SIGTERM", 6), ("SIGHUP", 6)],
                          ids=["ctrl-c", "sigterm-on-a-validation-step", "sighup-on-a-validation-step"])
 def test_a_signal_stops_at_a_step_boundary_and_resumes_exactly(corpus, tmp_path, signame, at):

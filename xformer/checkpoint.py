@@ -4,7 +4,8 @@ Tensors (model weights, optimizer moments, RNG states) are safetensors entries u
 prefix (`model.`, `optim.<param index>.<name>`, `rng.`); everything else (step, epoch, the
 recipe, optimizer hyper-parameters, trainer bookkeeping) is JSON in the file's metadata
 under the key "xformer". Loading reads tensors and JSON only, so a checkpoint from anywhere
-cannot execute code.
+cannot execute code. The metadata holds a sha256 of the tensors (names, dtypes, shapes and
+bytes), checked on every read, so a damaged file is named as damaged rather than loaded.
 
 A tensor shared between modules (tied embeddings) is stored once, under its first name;
 loading restores the sharing because the model ties the parameters itself.
@@ -12,6 +13,7 @@ loading restores the sharing because the model ties the parameters itself.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
@@ -43,9 +45,11 @@ def unique_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def save_checkpoint(
     path: str | Path, model: nn.Module, *, meta: dict[str, Any],
     optimizer: torch.optim.Optimizer | None = None, extra_tensors: dict[str, torch.Tensor] | None = None,
+    previous: str | Path | None = None,
 ) -> None:
     """Write model weights (+ optimizer state, + extra tensors such as RNG states) and the
-    JSON-able `meta` to `path`, atomically: a temporary file in the same folder, then rename."""
+    JSON-able `meta` to `path`, atomically: a temporary file in the same folder, then rename.
+    `previous`: where the checkpoint `path` held goes once the new one is complete."""
     tensors = {f"model.{k}": v for k, v in unique_state_dict(model).items()}
     meta = dict(meta)
     if optimizer is not None:
@@ -60,14 +64,26 @@ def save_checkpoint(
         meta["optimizer"] = {"param_groups": state["param_groups"], "scalars": scalars}
     for name, value in (extra_tensors or {}).items():
         tensors[name] = value.detach().to("cpu").contiguous()
-    write_tensors(path, tensors, meta)
+    write_tensors(path, tensors, meta, previous=previous)
 
 
-def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any]) -> None:
+def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict[str, Any], *,
+                  previous: str | Path | None = None) -> None:
     """Write named tensors (`model.*`, `optim.*`, ...) and JSON-able `meta` as an xformer
-    checkpoint, atomically."""
-    header = {"format": FORMAT, **meta}
-    atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata={"xformer": json.dumps(header)}))
+    checkpoint, atomically, with the tensors' sha256 in the metadata."""
+    header = {"format": FORMAT, **meta, "sha256": tensors_digest(tensors)}
+    atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata={"xformer": json.dumps(header)}),
+                 previous=previous)
+
+
+def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
+    """sha256 over the tensors in name order: each name, dtype, shape and raw bytes."""
+    digest = hashlib.sha256()
+    for name in sorted(tensors):
+        tensor = tensors[name].detach().to("cpu").contiguous()
+        digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+    return digest.hexdigest()
 
 
 def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
@@ -84,6 +100,9 @@ def read_checkpoint(path: str | Path) -> tuple[dict[str, torch.Tensor], dict[str
         raise RunError(f"{path}: not a readable safetensors checkpoint ({exc})") from None
     if header.get("format") != FORMAT:
         raise RunError(f"{path}: not an xformer checkpoint (format {header.get('format')!r}, expected {FORMAT!r})")
+    saved = header.pop("sha256", None)  # checkpoints written before the digest have none
+    if saved is not None and tensors_digest(tensors) != saved:
+        raise RunError(f"{path}: damaged: its tensors do not match the sha256 written with them")
     return tensors, header
 
 

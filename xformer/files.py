@@ -9,8 +9,10 @@ from collections.abc import Callable
 from pathlib import Path
 
 
-def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
-    """Call write(tmp) on a temporary path beside `path`, then rename it to `path`."""
+def atomic_write(path: str | Path, write: Callable[[str], None], *, previous: str | Path | None = None) -> None:
+    """Call write(tmp) on a temporary path beside `path`, then rename it to `path`. With
+    `previous`, the file `path` held is renamed to `previous` first, once the new one is
+    complete: a kill between the two renames leaves `previous`, never nothing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
@@ -18,6 +20,8 @@ def atomic_write(path: str | Path, write: Callable[[str], None]) -> None:
     try:
         write(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; a run directory is often shared
+        if previous is not None and path.exists():
+            os.replace(path, previous)
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)

@@ -6,6 +6,7 @@ A run directory holds everything needed to evaluate or resume:
     RUN/tokenizer/                   sentencepiece model(s), trained here when absent
     RUN/metrics.jsonl                one JSON object per log line and per validation
     RUN/checkpoints/last.safetensors model + optimizer + RNG + progress: --resume starts here
+    RUN/checkpoints/previous.safetensors the `last` before it, for --resume when last is damaged
     RUN/checkpoints/best.safetensors the best model by validation (train.best_metric)
     RUN/checkpoints/step_N.safetensors the last train.average_last validation checkpoints
     RUN/checkpoints/averaged.safetensors their average, written when training ends
@@ -32,7 +33,6 @@ from xformer.checkpoint import (
     load_model_weights,
     load_optimizer_state,
     read_checkpoint,
-    read_checkpoint_meta,
     save_checkpoint,
 )
 from xformer.config import Recipe
@@ -106,10 +106,8 @@ def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: b
     check_out_dir(out_dir, recipe_path, resume=resume)
     saved = out_dir / "recipe.toml"
     if resume:
-        last = out_dir / "checkpoints" / "last.safetensors"
-        if not last.is_file():
-            raise RunError(f"{out_dir}: nothing to resume (no checkpoints/last.safetensors)")
-        check_tokenizer(out_dir, last, read_checkpoint_meta(last))
+        last, _, meta, _ = resume_point(out_dir)
+        check_tokenizer(out_dir, last, meta)
         old = load_recipe(saved)
         for section in ("model", "data"):
             before, now = asdict(getattr(old, section)), asdict(getattr(recipe, section))
@@ -126,6 +124,24 @@ def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: b
     if not check_only:
         mark_run_dir(out_dir)
     return removed
+
+
+def resume_point(out_dir: Path) -> tuple[Path, dict, dict, str | None]:
+    """(path, tensors, meta, why not last) of the checkpoint --resume continues from:
+    checkpoints/last, or checkpoints/previous (the last before it, kept until a newer one is
+    complete) when last is missing, unreadable or damaged; a RunError when neither will do."""
+    folder = out_dir / "checkpoints"
+    last, previous = folder / "last.safetensors", folder / "previous.safetensors"
+    if not last.is_file() and not previous.is_file():
+        raise RunError(f"{out_dir}: nothing to resume (no checkpoints/last.safetensors)")
+    try:
+        return last, *read_checkpoint(last), None
+    except RunError as error:
+        if not previous.is_file():
+            raise
+        why = str(error)
+    tensors, meta = read_checkpoint(previous)
+    return previous, tensors, meta, why
 
 
 def run(
@@ -172,9 +188,11 @@ def run(
     progress = Progress()
     last = out_dir / "checkpoints" / "last.safetensors"
     if resume:
-        tensors, meta = read_checkpoint(last)
-        check_tokenizer(out_dir, last, meta)
-        load_model_weights(model, tensors, last)
+        point, tensors, meta, why = resume_point(out_dir)
+        if why:
+            emit("warning", {"message": f"{why}; resuming from {point} (step {meta['progress']['step']}) instead"})
+        check_tokenizer(out_dir, point, meta)
+        load_model_weights(model, tensors, point)
         fused = optimizer.param_groups[0]["fused"]  # this process's choice, not the saved one
         load_optimizer_state(optimizer, tensors, meta)
         for group in optimizer.param_groups:  # the recipe's values, not the saved ones
@@ -216,7 +234,8 @@ def run(
         progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
         meta = {**stamp, "progress": asdict(progress), "stop_reason": stop_reason}
         tensors, extra_meta = rt.state()
-        save_checkpoint(last, model, meta={**meta, **extra_meta}, optimizer=optimizer, extra_tensors=tensors)
+        save_checkpoint(last, model, meta={**meta, **extra_meta}, optimizer=optimizer, extra_tensors=tensors,
+                        previous=last.with_name("previous.safetensors"))
 
     stop_reason = None
     log_loss, log_units, log_tokens, log_time = 0.0, 0, 0, time.perf_counter()
