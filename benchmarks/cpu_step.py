@@ -23,6 +23,7 @@ import itertools
 import json
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -40,11 +41,8 @@ def training_step(recipe, task, precision: str, *, fused_adam: bool = True, comp
     rt = resolve_runtime("cpu", precision)
     torch.manual_seed(recipe.train.seed)
     model = use_fast_dropout(task.build_model(), recipe.train.fast_paths).train()  # as train.run builds it
-    optimizer = build_optimizer(model, recipe.train)
-    if not fused_adam:
-        groups = [{**g, "fused": None} for g in optimizer.param_groups]
-        optimizer = type(optimizer)(groups, **{**optimizer.defaults, "fused": None})
-        assert not optimizer.param_groups[0]["fused"]
+    # fast_paths=False changes only the optimizer here: the model's dropout is already chosen
+    optimizer = build_optimizer(model, replace(recipe.train, fast_paths=recipe.train.fast_paths and fused_adam))
     forward = torch.compile(model, dynamic=True) if compiled else model  # as train.compile does
 
     def step(batch):
