@@ -314,6 +314,40 @@ def test_a_damaged_checkpoint_is_refused_not_unpickled(tmp_path):
         read_checkpoint(path)
 
 
+class _Payload:
+    """Unpickling this touches a file: the proof that a loader executed pickled code."""
+
+    def __init__(self, marker: Path):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def test_a_pickle_planted_in_every_checkpoint_is_never_executed(trained, tmp_path):
+    """Every checkpoint of a run replaced by a torch.save'd payload (torch's own format, a
+    pickle inside a zip): eval of each, translate, average, inspect-heads and --resume each
+    exit 2 with one line naming the file, and the payload never runs."""
+    import shutil
+
+    out = tmp_path / "run"
+    shutil.copytree(trained[0], out)
+    marker = tmp_path / "executed"
+    names = sorted(p.stem for p in (out / "checkpoints").glob("*.safetensors"))
+    for name in names:
+        torch.save(_Payload(marker), out / "checkpoints" / f"{name}.safetensors")
+    commands = [["eval", str(out), "--checkpoint", name, "--device", "cpu"] for name in names]
+    commands += [["translate", str(out), "--checkpoint", "best", "--device", "cpu"],
+                 ["average", str(out), "--last", "2"],
+                 ["inspect-heads", str(out), "--checkpoint", "best", "--out", str(tmp_path / "h"), "--device", "cpu"],
+                 ["train", str(out / "recipe.toml"), "--out", str(out), "--resume", "--max-steps", "60"]]
+    for args in commands:
+        result = runner.invoke(app, args, input="Ein Hund.\n")
+        assert result.exit_code == 2, (args, result.output)
+        assert "safetensors" in result.output and "Traceback" not in result.output, (args, result.output)
+        assert not marker.exists(), args
+
+
 @pytest.mark.parametrize("damage", ["flipped-byte", "truncated"])
 def test_a_damaged_last_checkpoint_is_named_and_resume_falls_back_to_the_previous_one(corpus, tmp_path, damage):
     """One flipped bit in the tensor data (the sha256 in the metadata catches it) or a file cut
