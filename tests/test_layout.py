@@ -15,7 +15,7 @@ LAYERS = [
     ["xformer.config"],
     ["xformer.model", "xformer.data", "xformer.checkpoint", "xformer.runtime", "xformer.optim", "xformer.losses",
      "xformer.rundir", "xformer.decode", "xformer.instrument", "xformer.quantize",
-     "xformer.engines", "xformer.runcard"],
+     "xformer.engines", "xformer.runcard", "xformer.compiling"],
     ["xformer.tasks"],
     ["xformer.recipe_io", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
      "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers", "xformer.export"],

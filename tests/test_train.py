@@ -133,12 +133,12 @@ def _train_losses(out: Path) -> list[float]:
 def test_a_compiler_that_fails_leaves_the_run_training_eagerly(corpus, tmp_path, monkeypatch):
     """train.compile with a compiler that raises: a warning names it, and the run trains the
     same tensors as a run without train.compile (the trial on the first batch left no trace)."""
-    import xformer.train
+    import xformer.compiling
 
     def broken(graph, example_inputs):
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(xformer.train, "COMPILE_BACKEND", broken)
+    monkeypatch.setattr(xformer.compiling, "BACKEND", broken)
     events = []
     extra = ["train.max_steps=6", "model.dropout=0.3"]
     run(tiny_recipe(corpus, *extra, "train.compile=true"), tmp_path / "c", device="cpu",

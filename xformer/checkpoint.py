@@ -82,7 +82,8 @@ def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:
     for name in sorted(tensors):
         tensor = tensors[name].detach().to("cpu").contiguous()
         digest.update(f"{name}|{tensor.dtype}|{tuple(tensor.shape)}|".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().tobytes() if tensor.numel() else b"")
+        if tensor.numel():
+            digest.update(tensor.reshape(-1).view(torch.uint8).numpy())  # the buffer itself, no copy
     return digest.hexdigest()
 
 

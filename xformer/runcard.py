@@ -10,6 +10,7 @@ says when they differ (xformer.tasks)."""
 
 from __future__ import annotations
 
+import hashlib
 import platform
 import subprocess
 import sys
@@ -18,6 +19,7 @@ from importlib import metadata
 from pathlib import Path
 
 from xformer.config import Recipe
+from xformer.data.corpus import local_files
 from xformer.runtime import Runtime
 
 PACKAGES = ("torch", "sacrebleu", "sentencepiece", "datasets")
@@ -26,7 +28,7 @@ PACKAGES = ("torch", "sacrebleu", "sentencepiece", "datasets")
 def run_card(recipe: Recipe, rt: Runtime | None, data: dict[str, str] | None = None) -> dict:
     """The card of a run about to train or evaluate with `recipe` on `rt` (None: another
     engine decodes); `data`: split name -> fingerprint of what it reads
-    (xformer.data.corpus.data_fingerprints)."""
+    (data_fingerprints)."""
     return {"recipe": recipe.to_dict(), "seed": recipe.train.seed, **environment(),
             "device": str(rt.device) if rt else None, "precision": rt.precision if rt else None,
             "precision_reason": rt.reason if rt else None,
@@ -70,3 +72,21 @@ def cpu_name() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine()
+
+
+def data_fingerprints(spec: str, fields: list[str]) -> dict[str, str]:
+    """Split name -> sha256 (16 hex digits) of the bytes of its local files, each prefixed by its
+    name; for a Hub id, {"hub": the id} (datasets resolves and caches the files itself)."""
+    files = local_files(spec, fields)
+    if files is None:
+        return {"hub": spec}
+    out = {}
+    for name, paths in files.items():
+        digest = hashlib.sha256()
+        for path in paths:
+            digest.update(path.name.encode() + b"\0")
+            with path.open("rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    digest.update(block)
+        out[name] = digest.hexdigest()[:16]
+    return out

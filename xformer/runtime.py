@@ -50,10 +50,10 @@ class Runtime:
         kernel reads `found_inf`), with one otherwise."""
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
-        grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
         if clip_norm > 0:
             norm = nn.utils.clip_grad_norm_(model.parameters(), clip_norm)
         else:
+            grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
             norm = torch.linalg.vector_norm(torch.stack(torch._foreach_norm(grads))) if grads else torch.zeros(())
         skipped = norm.isfinite().logical_not().float()
         if self.scaler is not None:

@@ -35,6 +35,7 @@ from xformer.checkpoint import (
     read_checkpoint,
     save_checkpoint,
 )
+from xformer.compiling import compiled_forward
 from xformer.config import Recipe
 from xformer.errors import RunError
 from xformer.events import Event, ignore
@@ -184,7 +185,10 @@ def run(
     stamp = {"recipe": recipe.to_dict(), "tokenizer": tokenizer_digest(out_dir)}  # in every checkpoint
     model = use_fast_dropout(task.build_model(), cfg.fast_paths).to(rt.device)
     optimizer = build_optimizer(model, cfg)
-    trained = _compiled(model, task, batches, rt, emit) if cfg.compile else model
+    trained = model
+    if cfg.compile:  # tried on the first batch, forward and backward, before training starts
+        first = next(iter(batches.iter_epoch(0)))
+        trained = compiled_forward(model, lambda forward: rt.backward(task.loss(forward, first, rt)), rt, emit)
     progress = Progress()
     last = out_dir / "checkpoints" / "last.safetensors"
     if resume:
@@ -347,58 +351,6 @@ def run(
                                                          indent=2))
     emit("end", asdict(result))
     return result
-
-
-class _Compiled:
-    """A module's torch.compile'd forward that turns eager for good on the first failure (a
-    shape the trial did not see can still fail to compile): the same call runs eagerly, so a
-    real error is raised there."""
-
-    def __init__(self, model: torch.nn.Module, backend, on_failure):
-        self.model, self.on_failure = model, on_failure
-        self.forward = torch.compile(model, backend=backend, dynamic=True)
-
-    def __call__(self, *args, **kwargs):
-        if self.forward is not self.model:
-            try:
-                return self.forward(*args, **kwargs)
-            except Exception as error:  # noqa: BLE001 - anything the compiler raises; eager re-raises real errors
-                self.forward = self.model
-                self.on_failure(error)
-        return self.model(*args, **kwargs)
-
-    def __getattr__(self, name):
-        return getattr(self.model, name)
-
-
-COMPILE_BACKEND = "inductor"  # what train.compile hands torch.compile
-
-
-def _compiled(model, task, batches, rt: Runtime, emit: Event):
-    """train.compile: the model behind a compiled forward, tried on the first batch (forward
-    and backward, where compiling happens) before training starts; if that fails, the model
-    itself. The trial restores the RNG state and drops its gradients, so the run that follows
-    draws what a run without the trial draws."""
-    def failed(error: Exception) -> None:
-        root = error  # the compiler's own error, under dynamo's wrappers
-        while getattr(root, "inner_exception", None) or root.__cause__:
-            root = getattr(root, "inner_exception", None) or root.__cause__
-        why = str(root).strip().splitlines()
-        emit("warning", {"message": f"train.compile: torch.compile failed ({type(root).__name__}"
-                                    f"{': ' + why[0][:200] if why else ''}); training without it"})
-
-    emit("setup", {"message": "train.compile: compiling the model on the first batch"})
-    wrapped = _Compiled(model, COMPILE_BACKEND, failed)
-    state = rt.state()
-    try:
-        rt.backward(task.loss(wrapped.forward, next(iter(batches.iter_epoch(0))), rt))
-    except Exception as error:  # noqa: BLE001 - as in _Compiled
-        failed(error)
-        wrapped.forward = model
-    finally:
-        rt.load_state(*state)
-        model.zero_grad(set_to_none=True)
-    return wrapped if wrapped.forward is not model else model
 
 
 def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int) -> str | None:

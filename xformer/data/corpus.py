@@ -64,22 +64,10 @@ def load_corpus(spec: str, fields: list[str], config: str | None = None) -> data
     return datasets.DatasetDict({name: _load_source(source, fields) for name, source in sources.items()})
 
 
-def data_fingerprints(spec: str, fields: list[str]) -> dict[str, str]:
-    """Split name -> sha256 (16 hex digits) of the bytes of its local files, each prefixed by its
-    name; for a Hub id, {"hub": the id} (datasets resolves and caches the files itself)."""
+def local_files(spec: str, fields: list[str]) -> dict[str, list[Path]] | None:
+    """Split name -> the local files it is read from; None for a Hub id (datasets fetches those)."""
     sources, _ = _sources(spec, fields)
-    if sources is None:
-        return {"hub": spec}
-    out = {}
-    for name, source in sources.items():
-        digest = hashlib.sha256()
-        for path in source.files:
-            digest.update(path.name.encode() + b"\0")
-            with path.open("rb") as f:
-                for block in iter(lambda f=f: f.read(1 << 20), b""):
-                    digest.update(block)
-        out[name] = digest.hexdigest()[:16]
-    return out
+    return None if sources is None else {name: source.files for name, source in sources.items()}
 
 
 def load_split(spec: str, split: str, fields: list[str], config: str | None = None, *, complete: bool = False,

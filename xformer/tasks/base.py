@@ -36,12 +36,12 @@ import torch
 
 from xformer.checkpoint import load_model_weights, read_checkpoint, run_checkpoint
 from xformer.config import DataConfig, Recipe
-from xformer.data.corpus import data_fingerprints, load_split
+from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.events import Event
 from xformer.model.build import build_model
 from xformer.quantize import quantize_model
-from xformer.runcard import run_card
+from xformer.runcard import data_fingerprints, run_card
 from xformer.rundir import check_tokenizer
 from xformer.runtime import Runtime, resolve_runtime
 from xformer.strict import positive
