@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shlex
 from pathlib import Path
 from typing import Annotated
@@ -48,9 +49,12 @@ def train(
     except RecipeError as exc:  # a flag's bad value is named by the flag the user typed
         raise RecipeError([next((flag + line[len(s):] for s, flag in flags.items() if line.startswith(s)), line)
                            for line in exc.problems]) from None
+    rank = int(os.environ.get("RANK", "0"))  # under torchrun, process 0 alone draws and prints
     with flags_named("device"), TrainDisplay() as display:
         result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
-                     on_event=display, recipe_path=recipe)
+                     on_event=display if rank == 0 else None, recipe_path=recipe)
+    if rank != 0:
+        return
     best = result.best or {}
     summary = {"run": result.run_dir, "steps": result.steps, "epochs": round(result.epochs, 2),
                "stopped by": result.stop_reason, "minutes": result.train_seconds / 60,
@@ -68,4 +72,6 @@ def train(
         run_dir = shlex.quote(result.run_dir)
         typer.echo(f"interrupted at step {result.steps}; continue with: xformer train {run_dir}/recipe.toml "
                    f"--out {run_dir} --resume", err=True)
-        raise typer.Exit(130)
+        # Ctrl-C says so to the shell (`train && eval` stops); a scheduler's SIGTERM or a
+        # closed terminal is a clean stop with a checkpoint
+        raise typer.Exit(130 if result.stop_signal in ("SIGINT", "") else 0)

@@ -14,6 +14,7 @@ LAYERS = [
      "xformer.results"],
     ["xformer.config"],
     ["xformer.model", "xformer.data", "xformer.checkpoint", "xformer.runtime", "xformer.optim", "xformer.losses",
+     "xformer.runlog", "xformer.distributed",
      "xformer.rundir", "xformer.decode", "xformer.instrument", "xformer.quantize",
      "xformer.engines", "xformer.runcard", "xformer.compiling"],
     ["xformer.tasks"],

@@ -114,7 +114,7 @@ def test_the_interrupt_hint_is_a_command_that_resumes(corpus, project, monkeypat
     stopped = train(corpus, "recipe.toml", "--out", "runs/b", "--max-steps", "6")
     assert stopped.exit_code == 130, stopped.output
     hint = stopped.stderr.strip().splitlines()[-1]
-    assert hint.startswith("interrupted at step 3; continue with: xformer train ")
+    assert hint.startswith("interrupted at step 4; continue with: xformer train ")
     command = shlex.split(hint.split("continue with: ", 1)[1])
     monkeypatch.setattr(cli_train, "TrainDisplay", cli_train.TrainDisplay.__mro__[1])
     resumed = runner.invoke(app, command[1:])

@@ -396,8 +396,8 @@ def test_a_signal_stops_at_a_step_boundary_and_resumes_exactly(corpus, tmp_path,
     extra = ["model.dropout=0.3", "train.max_steps=12", "train.valid_every=6"]
     straight = run(tiny_recipe(corpus, *extra), tmp_path / "a", device="cpu")
 
-    def interrupt(kind, payload):
-        if kind in ("tick", "step") and payload["step"] == at:
+    def interrupt(kind, payload):  # while step `at` runs: after step at - 1's event
+        if kind in ("tick", "step") and payload["step"] == at - 1:
             os.kill(os.getpid(), getattr(signal, signame))
 
     stopped = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", on_event=interrupt)

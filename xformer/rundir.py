@@ -94,6 +94,19 @@ def clear_run_dir(out_dir: Path, *, overwrite: bool, check_only: bool = False) -
     return removed
 
 
+def remove_temporaries(run_dir: Path) -> list[str]:
+    """Delete the half-written temporaries (xformer.files.atomic_write's `.NAME.*.tmp`) a killed
+    run left in RUN and RUN/checkpoints; returns their names. Nothing else is touched."""
+    removed = []
+    for folder in (run_dir, run_dir / "checkpoints", run_dir / "tokenizer"):
+        if folder.is_dir():
+            for path in folder.glob(".*.tmp"):
+                if path.is_file() and not path.is_symlink():
+                    path.unlink()
+                    removed.append(str(path.relative_to(run_dir)))
+    return removed
+
+
 def tokenizer_digest(run_dir: Path) -> str | None:
     """sha256 over the files of RUN/tokenizer that decide the ids (settings.json aside);
     None when there is none."""

@@ -15,6 +15,7 @@ import contextlib
 import functools
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -41,13 +42,18 @@ class Runtime:
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
 
-    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_norm: float) -> torch.Tensor:
+    def step(self, optimizer: torch.optim.Optimizer, model: nn.Module, clip_norm: float,
+             reduce: Callable[[nn.Module], None] | None = None) -> torch.Tensor:
         """Unscale (fp16), clip, step, unless a gradient is not finite (NaN or inf: an
         overflow, a diverging run, a damaged weight): then the update is skipped and the
         optimizer's moments and step count stay as they were. fp16's scaler decides by its own
         rule, which is the same test, and lowers its scale. Returns a 0-dim float tensor on the
         device, 1.0 for a skipped step; without a host sync when the optimizer is fused (its
-        kernel reads `found_inf`), with one otherwise."""
+        kernel reads `found_inf`), with one otherwise. `reduce(model)` first sums the gradients
+        over the processes of a distributed run (xformer.distributed), so every test below
+        sees the same numbers in every process."""
+        if reduce is not None:
+            reduce(model)
         if self.scaler is not None:
             self.scaler.unscale_(optimizer)
         if clip_norm > 0:

@@ -20,8 +20,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import signal
-import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -37,6 +35,7 @@ from xformer.checkpoint import (
 )
 from xformer.compiling import compiled_forward
 from xformer.config import Recipe
+from xformer.distributed import Cluster, cluster_from_env
 from xformer.errors import RunError
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
@@ -46,7 +45,16 @@ from xformer.model.flex import unavailable as flex_unavailable
 from xformer.optim import build_optimizer, learning_rate
 from xformer.recipe_io import load_recipe
 from xformer.runcard import run_card
-from xformer.rundir import check_out_dir, check_tokenizer, clear_run_dir, mark_run_dir, tokenizer_digest
+from xformer.rundir import (
+    check_out_dir,
+    check_tokenizer,
+    clear_run_dir,
+    is_run_dir,
+    mark_run_dir,
+    remove_temporaries,
+    tokenizer_digest,
+)
+from xformer.runlog import LogLine, Progress, StopSignals, append_jsonl, truncate_metrics
 from xformer.runtime import Runtime, resolve_runtime
 from xformer.tasks import make_task
 
@@ -71,32 +79,13 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     skipped_steps: int = 0  # not finite, so not taken (Runtime.step)
     card: dict = field(default_factory=dict)  # what reproducing the run needs (xformer.runcard)
+    stop_signal: str = ""  # the signal that interrupted it, e.g. "SIGTERM"
 
     @property
     def loop_overhead(self) -> float:
         """What the loop adds over forward + backward + step (batching, logging, progress
         events), as a fraction of that compute time; validation is not part of the loop."""
         return self.loop_seconds / max(self.compute_seconds, 1e-9) - 1.0
-
-
-@dataclass
-class Progress:
-    """Everything that must survive a resume besides tensors."""
-
-    step: int = 0
-    epoch: int = 0  # 0-based epoch in progress
-    batch_in_epoch: int = 0  # batches of `epoch` already consumed
-    seconds: float = 0.0
-    compute_seconds: float = 0.0
-    data_seconds: float = 0.0
-    loop_seconds: float = 0.0
-    tokens: int = 0
-    skipped_steps: int = 0  # steps whose loss or gradients were not finite, so not taken
-    peak_memory_mb: float = 0.0
-    best: dict | None = None
-    bad_validations: int = 0
-    kept: list[str] = field(default_factory=list)  # step checkpoints, oldest first
-    history: list[dict] = field(default_factory=list)
 
 
 def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: bool,
@@ -106,9 +95,13 @@ def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: b
     check_only raises what would be refused and changes nothing."""
     check_out_dir(out_dir, recipe_path, resume=resume)
     saved = out_dir / "recipe.toml"
-    if resume:
-        last, _, meta, _ = resume_point(out_dir)
-        check_tokenizer(out_dir, last, meta)
+    if resume and not has_checkpoint(out_dir):
+        if not is_run_dir(out_dir):
+            raise RunError(f"{out_dir}: nothing to resume (no checkpoints/last.safetensors)")
+    if resume and (has_checkpoint(out_dir) or saved.is_file()):
+        if has_checkpoint(out_dir):
+            last, _, meta, _ = resume_point(out_dir)
+            check_tokenizer(out_dir, last, meta)
         old = load_recipe(saved)
         for section in ("model", "data"):
             before, now = asdict(getattr(old, section)), asdict(getattr(recipe, section))
@@ -121,10 +114,17 @@ def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: b
                 raise RunError(f"{saved}: the run was started with train.{key} = {getattr(old.train, key)}, "
                                f"found {getattr(recipe.train, key)}; a resumed run must keep it")
         return []
+    if resume:
+        return []  # killed before its first checkpoint: it starts again at step 0, keeping its tokenizer
     removed = clear_run_dir(out_dir, overwrite=overwrite, check_only=check_only)
     if not check_only:
         mark_run_dir(out_dir)
     return removed
+
+
+def has_checkpoint(out_dir: Path) -> bool:
+    folder = out_dir / "checkpoints"
+    return (folder / "last.safetensors").is_file() or (folder / "previous.safetensors").is_file()
 
 
 def resume_point(out_dir: Path) -> tuple[Path, dict, dict, str | None]:
@@ -154,10 +154,19 @@ def run(
     `recipe_path` is the file the recipe was read from: never written to, and never inside a
     run directory that `overwrite` would clear. `measure_memory`: on the CPU, sample the
     resident set in a thread (instrument.PeakMemory) for TrainResult.peak_memory_mb; without
-    it the CPU figure is 0 and CUDA's comes from the allocator's own peak counter."""
-    emit = on_event or ignore
+    it the CPU figure is 0 and CUDA's comes from the allocator's own peak counter.
+
+    Started by torchrun (WORLD_SIZE > 1), every process calls this; see xformer.distributed."""
+    cluster = cluster_from_env(device, recipe.train.accumulate_steps)
+    result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
+                  emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory)
+    cluster.close()  # not on an exception: torchrun stops the processes still waiting
+    return result
+
+
+def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
+         emit: Event, recipe_path: str | Path | None, measure_memory: bool) -> TrainResult:
     started = time.perf_counter()
-    out_dir = Path(out_dir)
     cfg = recipe.train
     rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
     if recipe.model.arch != "lstm" and recipe.model.attention_backend == "flex":
@@ -172,15 +181,25 @@ def run(
     task = make_task(recipe)
     task.load(emit)
     card = run_card(recipe, rt, recipe.data.fingerprints())
-    removed = prepare_run_dir(out_dir, recipe, **where)
-    if removed:
-        emit("setup", {"message": f"--overwrite removed {', '.join(removed)} from {out_dir}"})
-    emit("setup", {"message": rt.describe()})
+    resumable = resume and has_checkpoint(out_dir)
+    if cluster.writer:
+        removed = prepare_run_dir(out_dir, recipe, **where)
+        if removed:
+            emit("setup", {"message": f"--overwrite removed {', '.join(removed)} from {out_dir}"})
+    emit("setup", {"message": rt.describe() + (f", process {cluster.rank} of {cluster.world}" if cluster.world > 1
+                                               else "")})
     if rt.warning:
         emit("warning", {"message": rt.warning})
+    if resume and not resumable:
+        emit("warning", {"message": f"{out_dir}: no checkpoint yet (stopped before its first one): "
+                                    "training from step 0"})
     torch.manual_seed(cfg.seed)
 
-    task.prepare(out_dir, emit)
+    if cluster.writer:  # the tokenizer is trained once, by process 0; the others then read it
+        task.prepare(out_dir, emit)
+    cluster.barrier()
+    if not cluster.writer:
+        task.prepare(out_dir, ignore)
     batches = task.train_batches
     stamp = {"recipe": recipe.to_dict(), "tokenizer": tokenizer_digest(out_dir)}  # in every checkpoint
     model = use_fast_dropout(task.build_model(), cfg.fast_paths).to(rt.device)
@@ -189,9 +208,9 @@ def run(
     if cfg.compile:  # tried on the first batch, forward and backward, before training starts
         first = next(iter(batches.iter_epoch(0)))
         trained = compiled_forward(model, lambda forward: rt.backward(task.loss(forward, first, rt)), rt, emit)
-    progress = Progress()
+    progress, retrying, stop_reason = Progress(), False, None
     last = out_dir / "checkpoints" / "last.safetensors"
-    if resume:
+    if resumable:
         point, tensors, meta, why = resume_point(out_dir)
         if why:
             emit("warning", {"message": f"{why}; resuming from {point} (step {meta['progress']['step']}) instead"})
@@ -206,14 +225,21 @@ def run(
         saved.setdefault("tokens", saved.pop("target_tokens", 0))  # checkpoints before the rename
         progress = Progress(**saved)
         rt.load_state(tensors, meta)
+        retrying = meta.get("stop_reason") == "nonfinite"
         done = _stop_reason(cfg, progress, progress.seconds, len(batches))
-        if done:
+        if done and _finished(out_dir, progress.step):
             raise RunError(f"{out_dir}: the run already stopped by train.{done}; raise that limit "
                            f"(e.g. --set train.{done}=...) to continue it")
-        _truncate_metrics(out_dir / "metrics.jsonl", progress.step)
-    if recipe_path is None or recipe_path.resolve() != (out_dir / "recipe.toml").resolve():
-        atomic_write_text(out_dir / "recipe.toml", recipe.to_toml())  # as resolved, new limits included
-    signals = _StopSignals()
+        stop_reason = done  # killed after its last checkpoint, before its average and train.json: finish those
+    if cluster.writer:
+        if resume:
+            truncate_metrics(out_dir / "metrics.jsonl", progress.step)
+            stray = remove_temporaries(out_dir)
+            if stray:
+                emit("setup", {"message": f"removed what a killed run left half-written: {', '.join(stray)}"})
+        if recipe_path is None or recipe_path.resolve() != (out_dir / "recipe.toml").resolve():
+            atomic_write_text(out_dir / "recipe.toml", recipe.to_toml())  # as resolved, new limits included
+    signals = StopSignals()
     parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     emit("start", {"steps_per_epoch": len(batches) // cfg.accumulate_steps, "step": progress.step,
                    "parameters": parameters, "run_dir": str(out_dir)})
@@ -233,18 +259,18 @@ def run(
             parts.append(elapsed() / (cfg.max_time * 60))
         return min(1.0, max(parts))
 
-    def checkpoint(stop_reason: str | None = None) -> None:
+    def checkpoint(stop_reason: str | None, now: float) -> None:
+        if not cluster.writer:
+            return
         progress.seconds = elapsed()
         progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
+        progress.log_line = line.state(now)
         meta = {**stamp, "progress": asdict(progress), "stop_reason": stop_reason}
         tensors, extra_meta = rt.state()
         save_checkpoint(last, model, meta={**meta, **extra_meta}, optimizer=optimizer, extra_tensors=tensors,
                         previous=last.with_name("previous.safetensors"))
 
-    stop_reason = None
-    log_loss, log_units, log_tokens, log_time = 0.0, 0, 0, time.perf_counter()
-    zero = torch.zeros((), device=rt.device)
-    log_skipped, log_skipped_units, skipped_run = zero, zero, zero  # on the device: no sync per step
+    line = LogLine(rt.device, progress.log_line, retrying=retrying)
     model.train()
     memory = PeakMemory(rt.device) if measure_memory else allocator_peak(rt.device)
     with signals, memory:
@@ -260,56 +286,53 @@ def run(
                 lr = learning_rate(progress.step, cfg)
                 for g in optimizer.param_groups:
                     g["lr"] = lr
-                n_units = sum(task.units(b) for b in group)  # what the loss is averaged over
+                n_units = sum(task.units(b) for b in group)  # what the loss is averaged over, all processes
                 n_tokens = sum(task.tokens(b) for b in group)
-                step_loss = 0.0
-                for batch in group:
+                step_loss = torch.zeros((), device=rt.device)
+                for batch in cluster.shard(group):
                     loss = task.loss(trained, batch, rt)
                     rt.backward(loss / n_units)
                     step_loss = step_loss + loss.detach()
-                skipped = rt.step(optimizer, model, cfg.clip_norm)  # 1.0 when not finite
+                skipped = rt.step(optimizer, model, cfg.clip_norm, reduce=cluster.reduce_gradients)  # 1.0: not finite
                 optimizer.zero_grad(set_to_none=True)
-                log_loss = log_loss + torch.where(skipped.bool(), 0.0, step_loss)  # stays on the device
-                log_units += n_units
-                log_skipped, log_skipped_units = log_skipped + skipped, log_skipped_units + skipped * n_units
-                skipped_run = (skipped_run + skipped) * skipped  # consecutive skips, 0 after a taken step
-                t2 = time.perf_counter()
                 progress.batch_in_epoch += len(group)
+                progress.tokens += n_tokens
+                # A signal is acted on at a step boundary, so the checkpoint resumes exactly; one
+                # that lands on a validation step lets that validation and its step checkpoint
+                # happen first, so the resumed run averages what an uninterrupted one would.
+                stop_reason, step_loss = cluster.agree(_stop_reason(cfg, progress, elapsed(), len(batches)),
+                                                       bool(signals.received), step_loss)
+                line.add(step_loss, skipped, n_units, n_tokens)
+                t2 = time.perf_counter()
                 progress.data_seconds += t1 - t0
                 progress.compute_seconds += t2 - t1
-                progress.tokens += n_tokens
-                log_tokens += n_tokens
-                now = time.perf_counter()
-                # by steps, and by time so that a slow machine shows a first line within a minute
-                logging = progress.step % cfg.log_every == 0 or (cfg.log_seconds and now - log_time >= cfg.log_seconds)
-                if logging:
-                    taken = log_units - float(log_skipped_units)
+                # the last steps of a run that ends here get their line too
+                logged = line.due(progress.step, cfg.log_every, cfg.log_seconds, t2) or stop_reason not in (
+                    None, "interrupted")
+                if logged:
+                    fields, skips = line.close(t2)
                     record = {"kind": "train", "step": progress.step, "epoch": progress.epoch + 1,
-                              "loss": float(log_loss) / taken if taken else None, "lr": lr,
-                              "tokens_per_s": log_tokens / (now - log_time), "seconds": elapsed()}
-                    if int(log_skipped):
-                        record["skipped"] = int(log_skipped)
-                        progress.skipped_steps += int(log_skipped)
-                    _append_jsonl(out_dir / "metrics.jsonl", record)
-                    log_loss, log_units, log_tokens, log_time = 0.0, 0, 0, now
-                    log_skipped, log_skipped_units = zero, zero
+                              "loss": fields["loss"], "lr": lr, "tokens_per_s": fields["tokens_per_s"],
+                              "seconds": elapsed()}
+                    if skips:
+                        record["skipped"] = skips
+                        progress.skipped_steps += skips
+                    if cluster.writer:
+                        append_jsonl(out_dir / "metrics.jsonl", record)
                     emit("step", {**record, "fraction": fraction_done()})
                 else:
                     emit("tick", {"step": progress.step, "fraction": fraction_done()})
                 # a host sync: every step on the CPU (free there), at log lines elsewhere
-                if (logging or rt.device.type == "cpu") and int(skipped_run) > cfg.max_nonfinite_steps:
-                    checkpoint("nonfinite")  # the skipped steps left the weights as they were
+                if (logged or rt.device.type == "cpu") and int(line.skipped_run) > cfg.max_nonfinite_steps:
+                    checkpoint("nonfinite", time.perf_counter())  # the skipped steps left the weights as they were
                     scale = f", loss scale {rt.scaler.get_scale():g}" if rt.scaler is not None else ""
                     raise RunError(f"train.max_nonfinite_steps: the loss or gradients were not finite for "
-                                   f"{int(skipped_run)} steps in a row, up to step {progress.step}{scale}; "
+                                   f"{int(line.skipped_run)} steps in a row, up to step {progress.step}{scale}; "
                                    "lower train.lr, raise train.warmup_steps, set train.clip_norm (e.g. 1.0) "
                                    "or train in fp32, then --resume")
-                progress.loop_seconds += time.perf_counter() - t0
-                # A signal is acted on at a step boundary, so the checkpoint resumes exactly; one
-                # that lands on a validation step lets that validation and its step checkpoint
-                # happen first, so the resumed run averages what an uninterrupted one would.
-                interrupted = bool(signals.received)
-                stop_reason = "interrupted" if interrupted else _stop_reason(cfg, progress, elapsed(), len(batches))
+                boundary = time.perf_counter()
+                progress.loop_seconds += boundary - t0
+                interrupted = stop_reason == "interrupted"
                 final = stop_reason is not None and not interrupted
                 if progress.step % cfg.valid_every == 0 or final:
                     # a length curriculum's steps are checkpointed but not validated: scores at
@@ -318,21 +341,23 @@ def run(
                         if interrupted:
                             emit("setup", {"message": f"finishing the validation of step {progress.step} first "
                                                       "(a second interrupt stops at once)"})
-                        _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp)
-                        if not interrupted:
-                            stop_reason = _stop_reason(cfg, progress, elapsed(), len(batches))  # patience, time
-                    checkpoint(stop_reason)
-                    log_time = time.perf_counter()
+                        if cluster.writer:
+                            _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp)
+                        if not interrupted:  # patience, time: process 0's word
+                            reason = _stop_reason(cfg, progress, elapsed(), len(batches))
+                            stop_reason, _ = cluster.agree(reason, False, torch.zeros((), device=rt.device))
+                    checkpoint(stop_reason, boundary)
+                    line.pause(time.perf_counter() - boundary)  # validation is not training time
                     model.train()
                 elif interrupted:
-                    checkpoint(stop_reason)
+                    checkpoint(stop_reason, boundary)
                 if stop_reason:
                     break
             if stop_reason is None:
                 progress.epoch += 1
                 progress.batch_in_epoch = 0
     progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
-    if progress.kept:
+    if progress.kept and cluster.writer:
         averaged = average_checkpoints([out_dir / "checkpoints" / k for k in progress.kept])
         load_model_weights(model, averaged)
         save_checkpoint(out_dir / "checkpoints" / "averaged.safetensors", model,
@@ -345,12 +370,23 @@ def run(
         tokens=progress.tokens, device=str(rt.device), precision=rt.precision, precision_reason=rt.reason,
         parameters=parameters,
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
-        card={**card, "wall_seconds": time.perf_counter() - started},
+        card={**card, "wall_seconds": time.perf_counter() - started, "processes": cluster.world},
+        stop_signal=signals.name,
     )
-    atomic_write_text(out_dir / "train.json", json.dumps({**asdict(result), "loop_overhead": result.loop_overhead},
-                                                         indent=2))
+    if cluster.writer:
+        atomic_write_text(out_dir / "train.json",
+                          json.dumps({**asdict(result), "loop_overhead": result.loop_overhead}, indent=2))
     emit("end", asdict(result))
     return result
+
+
+def _finished(out_dir: Path, step: int) -> bool:
+    """Whether the run's train.json describes the checkpoint's step: the run ended there
+    (rather than being killed between its last checkpoint and its summary)."""
+    try:
+        return json.loads((out_dir / "train.json").read_text())["steps"] == step
+    except (OSError, ValueError, KeyError, TypeError):
+        return False
 
 
 def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int) -> str | None:
@@ -364,33 +400,6 @@ def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int
     if cfg.patience and progress.bad_validations >= cfg.patience:
         return "patience"
     return None
-
-
-# Ctrl-C, `kill`, and a closed terminal or dropped ssh session (SIGHUP, where the OS has it)
-STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
-
-
-class _StopSignals:
-    """Ctrl-C / SIGTERM / SIGHUP during training: finish the current step, checkpoint, stop,
-    so that --resume continues exactly. A second signal acts at once (the default handler)."""
-
-    def __init__(self):
-        self.received: list[int] = []
-        self.previous = {}
-
-    def __enter__(self):
-        if threading.current_thread() is threading.main_thread():
-            for sig in STOP_SIGNALS:
-                self.previous[sig] = signal.signal(sig, self._handle)
-        return self
-
-    def _handle(self, signum, frame):
-        self.received.append(signum)
-        signal.signal(signum, self.previous[signum])
-
-    def __exit__(self, *exc):
-        for sig, handler in self.previous.items():
-            signal.signal(sig, handler)
 
 
 def _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp) -> None:
@@ -416,24 +425,5 @@ def _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed
             (out_dir / "checkpoints" / progress.kept.pop(0)).unlink(missing_ok=True)
     record["best"] = improved
     progress.history.append(record)
-    _append_jsonl(out_dir / "metrics.jsonl", record)
+    append_jsonl(out_dir / "metrics.jsonl", record)
     emit("valid", record)
-
-
-def _append_jsonl(path: Path, record: dict) -> None:
-    with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-
-def _truncate_metrics(path: Path, step: int) -> None:
-    """On resume, drop records logged after the checkpoint: they are about to be redone."""
-    if path.is_file():
-        keep = []
-        for line in path.read_text().splitlines():
-            try:
-                if json.loads(line)["step"] <= step:
-                    keep.append(line)
-            except (json.JSONDecodeError, KeyError, TypeError):
-                pass  # a line cut short by a kill
-        atomic_write_text(path, "".join(line + "\n" for line in keep))

@@ -1,0 +1,5 @@
+"""`python -m xformer_cli ...`, as torchrun starts each process: the same as `xformer ...`."""
+
+from xformer_cli.main import app
+
+app(prog_name="xformer")
