@@ -248,6 +248,10 @@ def peers(
         table.caption = (f"multi30k: {d['batches']} batches, {d['pairs']:,} pairs, {d['target_tokens']:,} target "
                          f"tokens; padding {100 * d['padding_fraction']:.1f}% of xformer's batches "
                          f"({100 * d['random_padding_fraction']:.1f}% in random batches of the same size)\n")
+    if result.mfu:
+        shares = ", ".join(f"{peer} {share:.2f}" for peer, share in result.mfu.items())
+        table.caption = (table.caption or "") + (f"MFU, synthetic training: {shares} of a "
+                                                 f"{result.matmul_peak_gflops:,.0f} GFLOP/s matmul peak\n")
     for peer, error in result.errors.items():
         table.caption = (table.caption or "") + f"{peer} failed: {error}\n"
     stdout.print(table)

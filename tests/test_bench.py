@@ -105,6 +105,10 @@ def test_bench_peers_runs_each_peer_in_its_own_process_and_reports_ratios():
     assert "beam2_sentences_per_s" in ours and "beam2_sentences_per_s" not in theirs  # no cache, no beam there
     for figure in ("train_target_tokens_per_s", "greedy_sentences_per_s"):
         assert report.xformer_vs[figure]["torch_nn"] == pytest.approx(ours[figure]["median"] / theirs[figure]["median"])
+    # MFU: one FLOP count for both (the same model), so the shares stand as the throughputs do
+    assert report.matmul_peak_gflops > 0 and set(report.mfu) == {"xformer", "torch_nn"}
+    assert report.mfu["xformer"] / report.mfu["torch_nn"] == pytest.approx(
+        report.xformer_vs["train_target_tokens_per_s"]["torch_nn"])
 
 
 def test_real_batches_are_xformers_token_buckets_and_every_peer_trains_on_them(corpus, tmp_path):

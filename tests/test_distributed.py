@@ -43,10 +43,11 @@ def one_process(args: list[str]) -> subprocess.CompletedProcess:
 
 def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_batch(corpus, tmp_path):
     """train.accumulate_steps = 2: one process accumulates two batches a step, two processes
-    take one each and sum their gradients. After 8 steps (validations, step checkpoints,
-    clipping, the averaged model included) the weights agree to 1e-5, the logged losses
-    too, and only process 0 wrote: one line per record in metrics.jsonl."""
-    extra = ["train.accumulate_steps=2", "train.max_steps=8"]
+    take one each and sum their gradients. An epoch is 27 batches, so step 14 holds one batch
+    and process 1 none. After 16 steps (validations, step checkpoints, clipping, the averaged
+    model included) the weights agree to 1e-5, the logged losses too, and only process 0
+    wrote: one line per record in metrics.jsonl."""
+    extra = ["train.accumulate_steps=2", "train.max_steps=16", "data.max_tokens=1024", "train.log_every=1"]
     single = one_process(command(corpus, tmp_path / "one", *extra))
     assert single.returncode == 0, single.stderr
     pair = torchrun(command(corpus, tmp_path / "two", *extra))
@@ -65,6 +66,8 @@ def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_bat
     one, two = losses(tmp_path / "one"), losses(tmp_path / "two")
     assert [r[:2] for r in two] == [r[:2] for r in one]
     assert [r[2] for r in two] == pytest.approx([r[2] for r in one], rel=1e-5)
+    epochs = {json.loads(line)["epoch"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()}
+    assert epochs == {1, 2}  # across the epoch's end, where the last step had one batch
     card = json.loads((tmp_path / "two" / "train.json").read_text())["card"]
     assert card["processes"] == 2
 

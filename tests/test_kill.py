@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
 import torch
 
 from xformer.checkpoint import read_checkpoint
@@ -159,3 +160,33 @@ def test_a_second_signal_goes_to_the_handler_before_the_run(tmp_path):
         assert stops.name == "SIGTERM"
     finally:
         signal.signal(signal.SIGTERM, previous)
+
+
+def test_out_of_memory_says_what_to_set_and_leaves_the_last_checkpoint(corpus, tmp_path, monkeypatch):
+    """An allocation that fails mid-run (raised here where CUDA would raise it, this machine
+    having no GPU): one line naming data.max_tokens and the values to try; the last
+    checkpoint is byte for byte the one written before."""
+    from xformer.errors import RunError
+    from xformer.recipe_io import load_recipe
+    from xformer.tasks.translation import TranslationTask
+    from xformer.train import run
+
+    recipe = load_recipe(RECIPE, [*TINY, f"data.dataset={json.dumps(str(corpus))}", "train.max_steps=10"])
+    out = tmp_path / "r"
+    run(recipe, out, device="cpu")
+    last = out / "checkpoints" / "last.safetensors"
+    before = last.read_bytes()
+    loss, calls = TranslationTask.loss, []
+
+    def fails_on_the_third(self, model, batch, rt):
+        calls.append(1)
+        if len(calls) == 3:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return loss(self, model, batch, rt)
+
+    monkeypatch.setattr(TranslationTask, "loss", fails_on_the_third)
+    longer = load_recipe(RECIPE, [*TINY, f"data.dataset={json.dumps(str(corpus))}", "train.max_steps=20"])
+    with pytest.raises(RunError, match=r"out of memory on cpu \(CUDA out of memory.*data.max_tokens = 512 "
+                                       r"tokens: train with --set data.max_tokens=256 --set train.accumulate_steps=2"):
+        run(longer, out, device="cpu", resume=True)
+    assert last.read_bytes() == before

@@ -40,8 +40,8 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from xformer.bench import ModelBenchConfig, _figure, _model
-from xformer.config import Recipe, TrainConfig
+from xformer.bench import ModelBenchConfig, _figure, _model, matmul_peak_gflops, train_flops
+from xformer.config import ModelConfig, Recipe, TrainConfig
 from xformer.decode import beam_search, greedy_decode
 from xformer.errors import XformerError
 from xformer.events import Event, ignore
@@ -278,6 +278,8 @@ class PeersBench(Result):
     errors: dict  # peer -> the last line its process wrote to stderr
     xformer_vs: dict  # figure -> peer -> xformer median / peer median
     data: dict | None = None  # with config.data: what real_batches returned
+    matmul_peak_gflops: float | None = None  # measured before the first round
+    mfu: dict | None = None  # peer -> model FLOP/s of its median synthetic training round over the peak
 
 
 def bench_peers(config: ModelBenchConfig | None = None, peers: list[str] | None = None, *,
@@ -291,6 +293,7 @@ def bench_peers(config: ModelBenchConfig | None = None, peers: list[str] | None 
         raise XformerError(f"peer {unknown[0]}: expected one of {', '.join(PEERS)}")
     emit = on_event or ignore
     rt = resolve_runtime(config.device, config.precision)
+    peak = matmul_peak_gflops(rt.device)
     rounds: dict[str, dict[str, list[float]]] = {p: {} for p in peers}
     parameters, errors = {}, {}
     with tempfile.TemporaryDirectory(prefix="xformer-peers-") as folder:
@@ -315,8 +318,16 @@ def bench_peers(config: ModelBenchConfig | None = None, peers: list[str] | None 
         for peer, theirs in figures.items():
             if peer != "xformer" and figure in theirs:
                 ratios.setdefault(figure, {})[peer] = ours["median"] / theirs[figure]["median"]
+    # every peer trains the same model on the same synthetic batches: one FLOP count for all
+    model = ModelConfig(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_ff,
+                        n_encoder_layers=config.layers, n_decoder_layers=config.layers)
+    per_token = train_flops(model, config.vocab, config.batch, config.src_len, config.tgt_len) / (
+        config.batch * config.tgt_len)
+    mfu = {p: f["train_target_tokens_per_s"]["median"] * per_token / (peak * 1e9)
+           for p, f in figures.items() if "train_target_tokens_per_s" in f}
     return PeersBench(device=str(rt.device), precision=rt.precision, config=vars(config), peers=peers,
-                      parameters=parameters, figures=figures, errors=errors, xformer_vs=ratios, data=data)
+                      parameters=parameters, figures=figures, errors=errors, xformer_vs=ratios, data=data,
+                      matmul_peak_gflops=peak, mfu=mfu)
 
 
 def _in_process(peer: str, config: ModelBenchConfig, batches: Path | None) -> dict:

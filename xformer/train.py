@@ -158,8 +158,18 @@ def run(
 
     Started by torchrun (WORLD_SIZE > 1), every process calls this; see xformer.distributed."""
     cluster = cluster_from_env(device, recipe.train.accumulate_steps)
-    result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
-                  emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory)
+    try:
+        result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
+                      emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory)
+    except torch.OutOfMemoryError as exc:  # no checkpoint is written: the last one stays as it was
+        d, cfg = recipe.data, recipe.train
+        last = Path(out_dir) / "checkpoints" / "last.safetensors"
+        kept = f"{last} is intact; " if last.is_file() else ""
+        raise RunError(f"out of memory on {device} ({str(exc).splitlines()[0][:160]}); batches hold "
+                       f"data.max_tokens = {d.max_tokens} tokens: train with --set data.max_tokens={d.max_tokens // 2} "
+                       f"--set train.accumulate_steps={cfg.accumulate_steps * 2} (the same step in halves) into a new "
+                       f"--out, since a resumed run keeps its batches; {kept}--resume continues it where memory "
+                       "allows") from None
     cluster.close()  # not on an exception: torchrun stops the processes still waiting
     return result
 

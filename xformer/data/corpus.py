@@ -247,7 +247,30 @@ def _load_source(source: _Source, fields: list[str]) -> datasets.Dataset:
     else:
         split = _lift_translation(_build(source, fields), fields)
     _check(split, source.where, fields, source.kind)
+    _check_text_columns(split, source, fields)
     return split
+
+
+def _check_text_columns(split: datasets.Dataset, source: _Source, fields: list[str]) -> None:
+    """Each field a column of valid UTF-8 strings (Arrow's JSON reader keeps numbers as numbers
+    and passes invalid bytes through, to fail far from the file); one C++ pass a column, and
+    only on failure a line-by-line read to name the line."""
+    import pyarrow as pa
+
+    for field in fields:
+        column = split.data.column(field)
+        kind = column.type
+        problem = None
+        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
+            problem = f"field {field!r} holds {kind} values, expected strings"
+        else:
+            try:
+                column.validate(full=True)
+            except pa.ArrowInvalid as exc:
+                problem = f"field {field!r}: {_first_line(exc)}"
+        if problem:
+            lines = [_first_bad_json_line(path, fields) for path in source.files] if source.kind == "json" else []
+            raise DataError(next((line for line in lines if line), f"{source.where}: {problem}"))
 
 
 def _lift_translation(split: datasets.Dataset, fields: list[str]) -> datasets.Dataset:

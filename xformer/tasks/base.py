@@ -180,16 +180,18 @@ class Task:
 
 def load_training_splits(data: CorpusData, fields: list[str], emit: Event, numeric: tuple[str, ...] | None = None):
     """The raw train and validation splits of a corpus, with `fields`; a single file cannot be
-    both (it would validate on the training data). With `numeric` (classification: the label
-    field), every row must hold every field (load_split's `complete`)."""
+    both (it would validate on the training data). Every validation row must hold every field
+    (load_split's `complete`), and so must every training row with `numeric` (classification:
+    the label field); a translation pair missing a side is dropped from training instead."""
     if Path(data.dataset).expanduser().is_file():
         raise DataError(f"data.dataset: {data.dataset} is a single file; training needs a folder or Hub id with "
                         f"'{data.train_split}' and '{data.valid_split}' splits")
     emit("setup", {"message": f"loading {data.dataset} ({data.train_split}, {data.valid_split})"})
     config = data.dataset_config or None
     strict = {} if numeric is None else {"complete": True, "numeric": numeric}
+    # validation is a measurement: a missing reference would be scored as an empty sentence
     return (load_split(data.dataset, data.train_split, fields, config, **strict),
-            load_split(data.dataset, data.valid_split, fields, config, **strict))
+            load_split(data.dataset, data.valid_split, fields, config, complete=True, numeric=numeric or ()))
 
 
 # ---------------------------------------------------------------- what inspect-heads analyses

@@ -142,6 +142,11 @@ class TranslationTask(Task):
                                                       nbest=d.sampling_nbest, max_len=d.max_len)
         else:
             train = encode_split(self.train_raw, self.tokenizer, d.source_lang, d.target_lang, max_len=d.max_len)
+            dropped = len(self.train_raw) - len(train)
+            if dropped:
+                emit("setup", {"message": f"training on {len(train):,} of {len(self.train_raw):,} pairs: {dropped:,} "
+                                          f"dropped (a side empty or blank, or over data.max_len = {d.max_len} "
+                                          "pieces)"})
             self.train_batches = BatchIterator(train, max_tokens=d.max_tokens, seed=recipe.train.seed)
         if len(self.train_batches) == 0:
             raise DataError(f"{d.dataset}: no training pair has 1 to data.max_len = {d.max_len} pieces on both sides")
