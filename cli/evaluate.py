@@ -46,16 +46,19 @@ def evaluate(
     quantize: QuantizeOption = None,
     ctranslate2: Annotated[Path | None, typer.Option("--ctranslate2", help="Decode with CTranslate2 from this "
                                                      "directory (xformer export --format ctranslate2).")] = None,
+    baseline: Annotated[Path | None, typer.Option("--baseline", metavar="OTHER_RUN",
+                                                  help="Also decode the same test set with OTHER_RUN and report "
+                                                       "sacreBLEU's paired bootstrap between the two.")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Score a run on a test set: translation with beam search, sacreBLEU (cased and lowercased)
     and chrF; classification with accuracy and a confusion matrix."""
-    flags = flags_named("split", "data", "device", "quantize", "ctranslate2")
+    flags = flags_named("split", "data", "device", "quantize", "ctranslate2", "baseline")
     with flags, Progress(console=console, transient=True) as progress:
         bar = progress.add_task("decoding", total=None)
         result = evaluate_run(run, split=split, data=data, beam=beam, lenpen=lenpen, checkpoint=checkpoint,
                               device=device, quantize=quantize.value if quantize else None,
-                              ctranslate2=str(ctranslate2) if ctranslate2 else None,
+                              ctranslate2=str(ctranslate2) if ctranslate2 else None, baseline=baseline,
                               on_progress=lambda done, total: progress.update(bar, completed=done, total=total))
     for warning in result.warnings or []:
         typer.echo(f"warning: {warning}", err=True)
@@ -73,6 +76,14 @@ def show_translation(run: Path, result: TranslationEval) -> None:
             "sentences/s": result.sentences_per_s, **({"quantize": result.quantize} if result.quantize else {})}
     stdout.print(score_table(f"{run}: {result.split or result.data}", rows))
     stdout.print(f"[dim]{result.signature}[/dim]\n[dim]hypotheses: {result.hypotheses}[/dim]")
+    if result.paired:
+        p = result.paired
+        stdout.print(score_table(f"paired bootstrap against {p['baseline']} ({p['samples']} resamples)", {
+            "bleu": f"{p['bleu']:.2f} (mean {p['mean']:.2f} +- {p['interval']:.2f})",
+            "baseline bleu": f"{p['baseline_bleu']:.2f} (mean {p['baseline_mean']:.2f} "
+                             f"+- {p['baseline_interval']:.2f})",
+            "difference": f"{p['difference']:+.2f}", "p-value": f"{p['p_value']:.4f}"}))
+        stdout.print(f"[dim]{p['signature']}[/dim]")
 
 
 def show_classification(run: Path, result: ClassificationEval) -> None:

@@ -9,11 +9,17 @@ Results are written to RUN/eval/<name>.*, named so that different inputs never s
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
+from xformer.data.corpus import load_split
+from xformer.errors import DataError, RunError
+from xformer.files import atomic_write_text
 from xformer.recipe_io import load_run_recipe
 from xformer.results import ClassificationEval, TranslationEval
+from xformer.significance import paired_bleu
 from xformer.tasks import make_task
 from xformer.tasks.base import EvalRequest
 
@@ -22,19 +28,58 @@ def evaluate_run(
     run_dir: str | Path, *, split: str | None = None, data: str | None = None, beam: int | None = None,
     lenpen: float | None = None, checkpoint: str | None = None, device: str = "auto",
     on_progress: Callable[[int, int], None] | None = None, quantize: str | None = None,
-    ctranslate2: str | None = None,
+    ctranslate2: str | None = None, baseline: str | Path | None = None,
 ) -> TranslationEval | ClassificationEval:
     """Score the run on `split` (default: the recipe's test split) or on `data` (a JSONL file
     or folder with the recipe's fields). beam and lenpen apply to translation runs; None means
     the recipe's [eval] value. quantize "int8": Linear layers in dynamic int8 (CPU); its files
     carry ".int8" in their names and RUN/eval.json stays the model's as trained. ctranslate2:
     decode with CTranslate2 from that directory (xformer export --format ctranslate2; int8
-    compute with quantize "int8"), files marked ".ct2"."""
+    compute with quantize "int8"), files marked ".ct2". baseline: another translation run
+    decoded on the same test set, and sacreBLEU's paired bootstrap between the two in
+    result.paired (xformer.significance)."""
     run_dir = Path(run_dir)
-    task = make_task(load_run_recipe(run_dir))
+    recipe = load_run_recipe(run_dir)
+    if baseline is not None and recipe.data.task != "translation":
+        raise RunError(f"--baseline: a paired test of {recipe.data.task} runs is not built yet (translation runs: "
+                       "sacreBLEU's paired bootstrap)")
+    task = make_task(recipe)
     request = EvalRequest(split=split, data=data, checkpoint=checkpoint, device=device, beam=beam, lenpen=lenpen,
                           on_progress=on_progress, quantize=quantize, ctranslate2=ctranslate2)
-    return task.evaluate(run_dir, request)
+    result = task.evaluate(run_dir, request)
+    if baseline is not None:
+        result.paired = compare_with(run_dir, result, Path(baseline), request)
+    return result
+
+
+def compare_with(run_dir: Path, result: TranslationEval, baseline: Path, request: EvalRequest) -> dict:
+    """Decode the same test set with the baseline run (its own checkpoint choice; beam and
+    lenpen as asked, else its recipe's) and run the paired bootstrap; the comparison is also
+    written beside the run's hypotheses as <stem>.vs-<baseline folder>.json."""
+    base_recipe = load_run_recipe(baseline)
+    if base_recipe.data.task != "translation":
+        raise RunError(f"--baseline {baseline}: a {base_recipe.data.task} run; a translation run compares with "
+                       "a translation run")
+    base_request = replace(request, checkpoint=None, quantize=None, ctranslate2=None)
+    base = make_task(base_recipe).evaluate(baseline, base_request)
+    own, other = _references(load_run_recipe(run_dir), request), _references(base_recipe, base_request)
+    if own != other:
+        raise DataError(f"--baseline {baseline}: its test set has other references than {run_dir}'s "
+                        f"({len(other)} against {len(own)} sentences); pass the same --data to compare them")
+    lines = [Path(r.hypotheses).read_text(encoding="utf-8").splitlines() for r in (result, base)]
+    paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint, "baseline_beam": base.beam,
+              **paired_bleu(lines[0], lines[1], own)}
+    stem = Path(result.hypotheses).with_suffix("")
+    atomic_write_text(stem.with_name(f"{stem.name}.vs-{baseline.resolve().name}.json"), json.dumps(paired, indent=2))
+    return paired
+
+
+def _references(recipe, request: EvalRequest) -> list[str]:
+    d = recipe.data
+    spec = request.data if request.data is not None else d.dataset
+    config = d.dataset_config or None if request.data is None else None
+    rows = load_split(spec, request.split or d.test_split, [d.source_lang, d.target_lang], config, complete=True)
+    return list(rows[d.target_lang])
 
 
 def translate_lines(run_dir: str | Path, lines: list[str], *, checkpoint: str | None = None,

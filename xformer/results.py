@@ -44,6 +44,7 @@ class TranslationEval(Result):
     engine: str | None = None  # "ctranslate2" when an exported model decoded
     card: dict | None = None  # what reproducing the score needs (xformer.runcard)
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
+    paired: dict | None = None  # with --baseline: the paired bootstrap against that run (xformer.significance)
 
 
 @dataclass
