@@ -12,6 +12,7 @@ from xformer_cli.bench import bench_app
 from xformer_cli.check import check
 from xformer_cli.common import Command
 from xformer_cli.evaluate import evaluate, translate
+from xformer_cli.experiment import experiment
 from xformer_cli.export import export
 from xformer_cli.heads import inspect_heads_command
 from xformer_cli.longrange import longrange
@@ -56,6 +57,7 @@ app.command("train", cls=Command)(train)
 app.command("eval", cls=Command)(evaluate)
 app.command("translate", cls=Command)(translate)
 app.command("longrange", cls=Command)(longrange)
+app.command("experiment", cls=Command)(experiment)
 app.command("inspect-heads", cls=Command)(inspect_heads_command)
 app.command("average", cls=Command)(average)
 app.command("export", cls=Command)(export)

@@ -19,7 +19,8 @@ LAYERS = [
      "xformer.engines", "xformer.runcard", "xformer.compiling", "xformer.significance"],
     ["xformer.tasks"],
     ["xformer.recipe_io", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
-     "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers", "xformer.export"],
+     "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers", "xformer.export",
+     "xformer.experiment"],
     ["xformer"],  # the package's __init__: the library's front door
 ]
 

@@ -39,7 +39,6 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xformer.checkpoint import read_checkpoint_meta
 from xformer.config import Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.evaluate import evaluate_run
@@ -51,7 +50,7 @@ from xformer.results import SweepResult
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task, parameter_count
 from xformer.tasks.generated import GeneratedData
-from xformer.train import run
+from xformer.train import run, run_state
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -249,7 +248,7 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
         if row_path.is_file():
             continue
         run_dir = out_dir / "runs" / key
-        state = _run_state(run_dir)
+        state = run_state(run_dir)
         emit("row_start", {"index": index, "key": key, "model": model, "length": length, "seed": seed,
                            "resume": state == "resume"})
         if state != "trained":
@@ -294,17 +293,6 @@ def throughput_at_length(run_dir: Path, recipe: Recipe, trained: dict) -> float:
     if not rates:
         return trained["tokens"] / max(trained["loop_seconds"], 1e-9)
     return len(rates) / sum(1.0 / r for r in rates)
-
-
-def _run_state(run_dir: Path) -> str:
-    """"trained" (train.json of a finished run: score it), "resume" (stopped part way: a
-    checkpoint of an interrupted or killed run) or "new" (nothing usable: train from scratch)."""
-    summary, last = run_dir / "train.json", run_dir / "checkpoints" / "last.safetensors"
-    if summary.is_file():
-        return "resume" if json.loads(summary.read_text())["stop_reason"] == "interrupted" else "trained"
-    if last.is_file() and read_checkpoint_meta(last).get("stop_reason") in (None, "interrupted"):
-        return "resume"
-    return "new"  # no checkpoint, or killed between its final checkpoint and train.json
 
 
 def _pin_sweep(sweep: Sweep, out_dir: Path) -> None:

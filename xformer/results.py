@@ -136,3 +136,17 @@ class SweepResult(Result):
     models: list[str]  # "transformer", any variants, "lstm"
     summary: list[dict]  # per (model, length): accuracy mean and std over seeds, parameters, tokens/s, memory
     rows: list[dict]  # one per trained run
+
+
+@dataclass
+class ExperimentResult(Result):
+    """A grid of cells over seeds compared with a baseline cell (`xformer experiment`): what
+    results.json holds."""
+
+    metric: str  # "bleu" (cased sacreBLEU) or "accuracy"
+    baseline: str
+    seeds: list[int]
+    budget_per_run: str
+    cells: list[dict]  # per cell: test and valid mean/std, difference from the baseline, paired tests
+    runs: list[dict]  # one per (cell, seed)
+    source: str  # the spec file

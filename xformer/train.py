@@ -31,6 +31,7 @@ from xformer.checkpoint import (
     load_model_weights,
     load_optimizer_state,
     read_checkpoint,
+    read_checkpoint_meta,
     save_checkpoint,
 )
 from xformer.compiling import compiled_forward
@@ -388,6 +389,19 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                           json.dumps({**asdict(result), "loop_overhead": result.loop_overhead}, indent=2))
     emit("end", asdict(result))
     return result
+
+
+def run_state(run_dir: Path) -> str:
+    """What a driver of many runs (longrange, experiment) does with RUN: "trained" (its
+    train.json says it ended: score it), "resume" (a checkpoint of a run stopped part way, or
+    killed before its summary: --resume finishes it) or "new" (nothing usable, or a run that
+    stopped for non-finite losses: train it from scratch)."""
+    summary, last = run_dir / "train.json", run_dir / "checkpoints" / "last.safetensors"
+    if summary.is_file():
+        return "resume" if json.loads(summary.read_text())["stop_reason"] == "interrupted" else "trained"
+    if last.is_file() and read_checkpoint_meta(last).get("stop_reason") != "nonfinite":
+        return "resume"
+    return "new"
 
 
 def _finished(out_dir: Path, step: int) -> bool:

@@ -1,0 +1,73 @@
+"""xformer experiment SPEC: a grid of recipe overrides over seeds, compared with a baseline cell."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Table
+
+from xformer.experiment import load_experiment, run_experiment
+from xformer_cli.common import DeviceOption, JsonOption, SetOption, console, stdout, user_errors
+
+RUN = 1000  # progress units per run
+
+
+@user_errors
+def experiment(
+    spec: Annotated[Path, typer.Argument(help="Experiment TOML ([experiment] names the recipe, seeds, baseline "
+                                              "and budget; [experiment.cells] the overrides of each cell).")],
+    out: Annotated[Path | None, typer.Option("--out", help="Experiment directory [default: "
+                                                           "runs/<spec name>].")] = None,
+    overrides: SetOption = [],  # noqa: B006 - typer reads the default, never mutates it
+    device: DeviceOption = "auto",
+    as_json: JsonOption = False,
+) -> None:
+    """Train every cell at every seed (finished runs are kept, stopped ones resume), score each
+    on the test split with its best validation checkpoint, then write results.json, results.md
+    and results.png with paired tests against the baseline cell."""
+    loaded = load_experiment(spec, overrides)
+    out_dir = out or Path("runs") / spec.stem
+    progress = Progress(TextColumn("[bold]experiment[/bold]"), BarColumn(), TaskProgressColumn(),
+                        TextColumn("{task.fields[run]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                        TimeRemainingColumn(), console=console)
+    state = {"task": None, "done": 0}
+
+    def on_event(kind: str, payload: dict) -> None:
+        if kind == "plan":
+            state["task"] = progress.add_task("experiment", total=payload["runs"] * RUN, run="")
+            console.print(f"[dim]{payload['runs']} runs, {payload['done']} done already; results in {out_dir}[/dim]")
+        elif kind == "run_start":
+            resumed = " (resumed)" if payload["resume"] else ""
+            progress.update(state["task"], run=f"{payload['cell']} seed {payload['seed']}{resumed}")
+        elif kind == "run_progress":
+            progress.update(state["task"], completed=(state["done"] + payload["fraction"]) * RUN)
+        elif kind == "run_end":
+            state["done"] += 1
+            progress.update(state["task"], completed=state["done"] * RUN)
+            progress.console.print(f"{payload['cell']} seed {payload['seed']}: test {payload['metric']} "
+                                   f"{payload['test']:.2f}, {payload['steps']} steps")
+
+    try:
+        with progress:
+            result = run_experiment(loaded, out_dir, device=device, on_event=on_event)
+    except KeyboardInterrupt:
+        typer.echo(f"interrupted; run the same command again to continue the experiment in {out_dir}", err=True)
+        raise typer.Exit(130) from None
+    if as_json:
+        typer.echo(result.to_json(indent=None))
+        return
+    table = Table(title=f"test {result.metric}, mean +- std over {len(result.seeds)} seeds, "
+                        f"{result.budget_per_run} per run", header_style="bold")
+    for column in ("cell", "test", "valid", "vs baseline", "paired p < 0.05", "parameters"):
+        table.add_column(column, justify="left" if column == "cell" else "right")
+    for c in result.cells:
+        table.add_row(c["cell"], f"{c['test_mean']:.2f} +- {c['test_std']:.2f}",
+                      f"{c['valid_mean']:.2f}" if c["valid_mean"] is not None else "n/a",
+                      f"{c['difference']:+.2f}" if "difference" in c else "baseline",
+                      f"{c['significant_seeds']} of {len(result.seeds)}" if "significant_seeds" in c else "",
+                      f"{c['parameters']:,}")
+    stdout.print(table)
+    stdout.print(f"[dim]{out_dir}/results.json, results.md, results.png[/dim]")

@@ -1,0 +1,104 @@
+"""xformer experiment: a grid of cells over seeds, each an ordinary run, compared with a baseline
+cell; a rerun keeps what is done and trains what is missing."""
+
+import json
+import statistics
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.test_train import RECIPE, TINY
+from xformer.significance import paired_bleu
+from xformer_cli.main import app
+
+runner = CliRunner()
+SPEC = f'''[experiment]
+recipe = {json.dumps(str(RECIPE))}
+seeds = [1, 2]
+baseline = "heads_2"
+max_steps = 6
+set = ["train.valid_every=3", "train.average_last=0"]
+
+[experiment.cells]
+heads_1 = ["model.n_heads=1"]
+heads_2 = []
+'''
+
+
+def sets(corpus) -> list[str]:
+    return [arg for value in [*TINY, f"data.dataset={json.dumps(str(corpus))}"] for arg in ("--set", value)]
+
+
+@pytest.fixture(scope="module")
+def done(corpus, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("experiment")
+    spec = folder / "heads.toml"
+    spec.write_text(SPEC)
+    result = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(folder / "out"),
+                                 "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    return spec, folder / "out", json.loads(result.stdout.strip().splitlines()[-1])
+
+
+def test_every_cell_and_seed_is_an_ordinary_run_and_the_summary_is_their_scores(done, corpus):
+    spec, out, report = done
+    assert [c["cell"] for c in report["cells"]] == ["heads_1", "heads_2"] and report["metric"] == "bleu"
+    for cell in report["cells"]:
+        tests = []
+        for seed in (1, 2):
+            run = out / "runs" / f"{cell['cell']}-s{seed}"
+            trained, scored = (json.loads((run / name).read_text()) for name in ("train.json", "eval.json"))
+            assert trained["steps"] == 6 and scored["checkpoint"] == "best"
+            assert json.loads(json.dumps(trained["card"]["recipe"]))["train"]["seed"] == seed
+            tests.append(scored["bleu"])
+        assert cell["test_mean"] == pytest.approx(statistics.fmean(tests))
+        assert cell["test_std"] == pytest.approx(statistics.stdev(tests))
+    heads_1 = report["cells"][0]
+    assert [p["seed"] for p in heads_1["paired"]] == [1, 2] and "paired" not in report["cells"][1]
+    # the paired test is sacreBLEU's on the two runs' own hypotheses
+    refs = [json.loads(line)["en"] for line in (corpus / "test.jsonl").read_text().splitlines()]
+    hyps = [(out / "runs" / f"{c}-s1" / "eval.json") for c in ("heads_1", "heads_2")]
+    lines = [open(json.loads(h.read_text())["hypotheses"]).read().splitlines() for h in hyps]
+    assert heads_1["paired"][0]["p_value"] == paired_bleu(lines[0], lines[1], refs)["p_value"]
+    for name in ("results.json", "results.md", "results.png"):
+        assert (out / name).is_file()
+    assert "| heads_1 | model.n_heads=1 |" in (out / "results.md").read_text()
+
+
+def test_a_rerun_trains_only_what_is_missing_and_refuses_another_experiment(done, corpus):
+    spec, out, report = done
+    kept = {p: p.stat().st_mtime_ns for p in out.glob("runs/heads_2-s*/checkpoints/last.safetensors")}
+    import shutil
+
+    shutil.rmtree(out / "runs" / "heads_1-s2")
+    again = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(out), "--device", "cpu",
+                                "--json"])
+    assert again.exit_code == 0, again.output
+    assert {p: p.stat().st_mtime_ns for p in kept} == kept  # finished runs were not trained again
+    # the retrained run is the same seed of the same recipe: the same numbers
+    assert json.loads(again.stdout.strip().splitlines()[-1])["cells"] == report["cells"]
+    spec.write_text(SPEC.replace("seeds = [1, 2]", "seeds = [1, 3]"))
+    try:
+        other = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(out), "--device", "cpu"])
+    finally:
+        spec.write_text(SPEC)
+    assert other.exit_code == 2 and "other cells, seeds, budget or recipe" in other.stderr
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (('baseline = "heads_2"', 'baseline = "heads_3"'), "experiment.baseline: expected one of the cells"),
+    (("max_steps = 6", "max_steps = 0"), "experiment.max_time: expected experiment.max_steps or"),
+    (('heads_1 = ["model.n_heads=1"]', 'heads_1 = ["model.n_heads=0"]'), "experiment.cells.heads_1: "),
+    (("[experiment]", "[experimnt]"), "experimnt: unknown table; did you mean 'experiment'?"),
+])
+def test_a_bad_spec_is_one_line_before_anything_runs(corpus, tmp_path, change, words):
+    spec = tmp_path / "bad.toml"
+    spec.write_text(SPEC.replace(*change))
+    result = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.output, result.output
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_recipe_where_an_experiment_belongs_is_named(tmp_path):
+    result = runner.invoke(app, ["experiment", str(RECIPE), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and "no [experiment] table" in result.stderr and "xformer train" in result.stderr

@@ -1,0 +1,265 @@
+"""Experiments: one recipe, a grid of cells (each a list of --set overrides) over several seeds,
+each cell and seed an ordinary run directory, compared with a baseline cell.
+
+    [experiment]
+    recipe = "../translation/multi30k_de_en.toml"   # relative to the spec file
+    seeds = [1, 2, 3]                                # train.seed of each run
+    baseline = "heads_8"                             # the cell the others are compared with
+    max_time = 10.0                                  # minutes of training per run (or max_steps)
+    set = ["train.valid_every=500"]                  # overrides of every cell
+
+    [experiment.cells]
+    heads_1 = ["model.n_heads=1"]
+    heads_8 = []
+
+Every run lives in OUT/runs/<cell>-s<seed>; a finished run is kept, one stopped part way
+(Ctrl-C, a kill) resumes from its last checkpoint, so a rerun continues where it stopped. Each
+run's checkpoint with the best validation score (train.best_metric) is scored once on the test
+split. Then
+
+    OUT/results.json   every run, and per cell: the test and validation metric's mean and std
+                       over seeds, the mean difference from the baseline, and for translation
+                       sacreBLEU's paired bootstrap against the baseline run of the same seed
+    OUT/results.md     the same as a table
+    OUT/results.png    the test metric per cell, mean and std
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import statistics
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from xformer.config import Recipe
+from xformer.data.corpus import load_split
+from xformer.errors import RecipeError, RunError
+from xformer.evaluate import evaluate_run
+from xformer.events import Event, ignore
+from xformer.files import atomic_write_text
+from xformer.recipe_io import load_recipe
+from xformer.results import ExperimentResult
+from xformer.significance import paired_bleu
+from xformer.strict import did_you_mean, section_from_dict
+from xformer.train import run, run_state
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - Python 3.10
+    import tomli as tomllib
+
+CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
+SIGNIFICANT = 0.05
+
+
+@dataclass
+class ExperimentConfig:
+    recipe: str = ""
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    baseline: str = ""
+    max_steps: int = 0  # per run; 0: no step limit
+    max_time: float = 0.0  # minutes of training per run; 0: no time limit
+    set: list[str] = field(default_factory=list)
+
+    def problems(self, cells: dict) -> list[str]:
+        out = []
+        if not self.recipe:
+            out.append("experiment.recipe: expected the path of a recipe, found nothing")
+        if not self.seeds or len(set(self.seeds)) != len(self.seeds):
+            out.append(f"experiment.seeds: expected distinct seeds, found {self.seeds}")
+        if self.baseline not in cells:
+            out.append(f"experiment.baseline: expected one of the cells ({', '.join(cells) or 'none'}), "
+                       f"found {self.baseline!r}{did_you_mean(self.baseline, list(cells))}")
+        if self.max_steps < 0 or self.max_time < 0 or (self.max_steps == 0 and self.max_time == 0):
+            out.append("experiment.max_time: expected experiment.max_steps or experiment.max_time to be positive "
+                       "(the budget of each run)")
+        return out
+
+
+@dataclass
+class Experiment:
+    config: ExperimentConfig
+    cells: dict[str, list[str]]
+    source: Path
+    overrides: list[str] = field(default_factory=list)  # --set of every cell, after experiment.set
+
+    def recipe(self, cell: str, seed: int) -> Recipe:
+        c = self.config
+        sets = [*c.set, *self.overrides, *self.cells[cell], f"train.seed={seed}", f"train.max_steps={c.max_steps}",
+                f"train.max_time={c.max_time}", "train.max_epochs=0"]
+        return load_recipe(self.source.parent / c.recipe, sets)
+
+
+def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
+    """Read a spec; `overrides` are recipe --set values applied to every cell. Every cell's
+    recipe is checked now, not hours into the experiment."""
+    path = Path(path)
+    try:
+        raw = tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such experiment file") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read the experiment ({exc})") from None
+    if "experiment" not in raw:
+        raise RecipeError(f"{path}: no [experiment] table; an experiment names a recipe, seeds and cells "
+                          "(a recipe runs with `xformer train`)")
+    problems = [f"{path}: {k}: unknown table{did_you_mean(k, ['experiment'])}" for k in raw if k != "experiment"]
+    table = dict(raw["experiment"])
+    cells = table.pop("cells", {})
+    if not isinstance(cells, dict) or not cells:
+        problems.append(f"{path}: experiment.cells: expected a table of name = [\"section.key=value\", ...]")
+        cells = {}
+    for name, sets in cells.items():
+        if not CELL_NAME.fullmatch(name):
+            problems.append(f"{path}: experiment.cells.{name}: expected a name of lowercase letters, digits, _ and .")
+        if not isinstance(sets, list) or not all(isinstance(s, str) for s in sets):
+            problems.append(f"{path}: experiment.cells.{name}: expected a list of \"section.key=value\" strings, "
+                            f"found {sets!r}")
+    local: list[str] = []
+    config, typed = section_from_dict(ExperimentConfig, "experiment", table, local)
+    if typed:
+        local += config.problems(cells)
+    problems += [f"{path}: {p}" for p in local]
+    if problems:
+        raise RecipeError(problems)
+    experiment = Experiment(config, cells, path, list(overrides))
+    for name in cells:
+        try:
+            experiment.recipe(name, config.seeds[0])
+        except RecipeError as exc:
+            raise RecipeError([f"{path}: experiment.cells.{name}: {p}" for p in exc.problems]) from None
+    return experiment
+
+
+def run_key(cell: str, seed: int) -> str:
+    return f"{cell}-s{seed}"
+
+
+def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str = "auto",
+                   on_event: Event | None = None) -> ExperimentResult:
+    """Train and score every run not done yet, then compare and write the results."""
+    emit = on_event or ignore
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    _pin(experiment, out_dir)
+    plan = [(cell, seed) for cell in experiment.cells for seed in experiment.config.seeds]
+    rows = {}
+    emit("plan", {"runs": len(plan), "done": sum(run_state(out_dir / "runs" / run_key(c, s)) == "trained"
+                                                 and (out_dir / "runs" / run_key(c, s) / "eval.json").is_file()
+                                                 for c, s in plan)})
+    for index, (cell, seed) in enumerate(plan):
+        run_dir = out_dir / "runs" / run_key(cell, seed)
+        state = run_state(run_dir)
+        emit("run_start", {"index": index, "cell": cell, "seed": seed, "resume": state == "resume"})
+        if state != "trained":
+            def forward(kind, payload, index=index):
+                if kind in ("tick", "step"):
+                    emit("run_progress", {"index": index, "fraction": payload["fraction"]})
+
+            result = run(experiment.recipe(cell, seed), run_dir, device=device, resume=state == "resume",
+                         overwrite=state == "new", on_event=forward)
+            if result.stop_reason == "interrupted":
+                raise KeyboardInterrupt
+        rows[(cell, seed)] = _score(run_dir, cell, seed, device)
+        emit("run_end", rows[(cell, seed)])
+    result = _compare(experiment, rows, out_dir)
+    _write(result, out_dir)
+    return result
+
+
+def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
+    """The run's test score with its best-on-validation checkpoint, scored once and kept."""
+    trained = json.loads((run_dir / "train.json").read_text())
+    summary = run_dir / "eval.json"
+    test = json.loads(summary.read_text()) if summary.is_file() else None
+    if test is None or test.get("checkpoint") != "best":
+        test = json.loads(evaluate_run(run_dir, checkpoint="best", device=device).to_json())
+    metric = "bleu" if "bleu" in test else "accuracy"
+    best = trained["best"] or {}
+    return {"cell": cell, "seed": seed, "metric": metric, "test": test[metric], "valid": best.get(metric),
+            "best_step": best.get("step"), "steps": trained["steps"], "parameters": trained["parameters"],
+            "train_seconds": trained["train_seconds"], "hypotheses": test.get("hypotheses"),
+            "run_dir": str(run_dir)}
+
+
+def _compare(experiment: Experiment, rows: dict, out_dir: Path) -> ExperimentResult:
+    c = experiment.config
+    cells = []
+    for cell in experiment.cells:
+        mine = [rows[(cell, s)] for s in c.seeds]
+        tests, valids = [r["test"] for r in mine], [r["valid"] for r in mine if r["valid"] is not None]
+        entry = {"cell": cell, "sets": experiment.cells[cell], "test_mean": statistics.fmean(tests),
+                 "test_std": statistics.stdev(tests) if len(tests) > 1 else 0.0,
+                 "valid_mean": statistics.fmean(valids) if valids else None,
+                 "valid_std": statistics.stdev(valids) if len(valids) > 1 else 0.0,
+                 "parameters": mine[0]["parameters"]}
+        if cell != c.baseline:
+            base = [rows[(c.baseline, s)] for s in c.seeds]
+            entry["difference"] = statistics.fmean(m["test"] - b["test"] for m, b in zip(mine, base, strict=True))
+            if mine[0]["metric"] == "bleu":
+                entry["paired"] = [_paired(m, b, experiment) for m, b in zip(mine, base, strict=True)]
+                entry["significant_seeds"] = sum(p["p_value"] < SIGNIFICANT for p in entry["paired"])
+        cells.append(entry)
+    metric = rows[(c.baseline, c.seeds[0])]["metric"]
+    budget = f"{c.max_steps} steps" if c.max_steps else f"{c.max_time:g} minutes"
+    return ExperimentResult(metric=metric, baseline=c.baseline, seeds=c.seeds, budget_per_run=budget,
+                            cells=cells, runs=[rows[k] for k in sorted(rows)], source=str(experiment.source))
+
+
+def _paired(mine: dict, base: dict, experiment: Experiment) -> dict:
+    recipe = experiment.recipe(mine["cell"], mine["seed"])
+    d = recipe.data
+    refs = list(load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None,
+                           complete=True)[d.target_lang])
+    hyps = [Path(r["hypotheses"]).read_text(encoding="utf-8").splitlines() for r in (mine, base)]
+    p = paired_bleu(hyps[0], hyps[1], refs)
+    return {"seed": mine["seed"], "difference": p["difference"], "p_value": p["p_value"]}
+
+
+def _pin(experiment: Experiment, out_dir: Path) -> None:
+    """The spec as first run; a rerun into the same folder must be the same experiment."""
+    c = experiment.config
+    pinned = {"recipe": experiment.recipe(c.baseline, c.seeds[0]).to_dict(), "cells": experiment.cells,
+              "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time}
+    path = out_dir / "experiment.json"
+    if path.is_file():
+        if json.loads(path.read_text()) != json.loads(json.dumps(pinned)):
+            raise RunError(f"{path}: this folder holds an experiment with other cells, seeds, budget or recipe; "
+                           "use another --out (runs of different settings cannot be compared)")
+        return
+    atomic_write_text(path, json.dumps(pinned, indent=2))
+
+
+def markdown(result: ExperimentResult) -> str:
+    lines = [f"test {result.metric} (mean +- std over seeds {', '.join(map(str, result.seeds))}), "
+             f"{result.budget_per_run} per run; baseline {result.baseline}", "",
+             f"| cell | overrides | test {result.metric} | valid {result.metric} | vs baseline | "
+             f"paired p < {SIGNIFICANT} | parameters |", "|---|---|---|---|---|---|---|"]
+    for c in result.cells:
+        valid = f"{c['valid_mean']:.2f} +- {c['valid_std']:.2f}" if c["valid_mean"] is not None else "n/a"
+        diff = f"{c['difference']:+.2f}" if "difference" in c else "baseline"
+        significant = f"{c['significant_seeds']} of {len(result.seeds)} seeds" if "significant_seeds" in c else ""
+        lines.append(f"| {c['cell']} | {' '.join(c['sets']) or '(recipe)'} | {c['test_mean']:.2f} +- "
+                     f"{c['test_std']:.2f} | {valid} | {diff} | {significant} | {c['parameters']:,} |")
+    return "\n".join(lines) + "\n"
+
+
+def _write(result: ExperimentResult, out_dir: Path) -> None:
+    atomic_write_text(out_dir / "results.json", result.to_json())
+    atomic_write_text(out_dir / "results.md", markdown(result))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(result.cells)), 3.5))
+    names = [c["cell"] for c in result.cells]
+    ax.bar(names, [c["test_mean"] for c in result.cells], yerr=[c["test_std"] for c in result.cells], capsize=4,
+           color=["#888" if n == result.baseline else "#3b75af" for n in names])
+    ax.set_ylabel(f"test {result.metric}")
+    ax.set_title(f"{len(result.seeds)} seeds, {result.budget_per_run} per run")
+    fig.tight_layout()
+    fig.savefig(out_dir / "results.png", dpi=110)
+    plt.close(fig)
