@@ -13,7 +13,8 @@ from xformer.tasks import build_for_recipe
 
 FILES = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.toml"))
 SWEEPS = [p for p in FILES if p.read_text().count("[sweep]")]
-RECIPES = [p for p in FILES if p not in SWEEPS]
+EXPERIMENTS = [p for p in FILES if p.read_text().count("[experiment]")]
+RECIPES = [p for p in FILES if p not in SWEEPS and p not in EXPERIMENTS]
 TINY = ["model.d_model=16", "model.n_heads=2", "model.n_kv_heads=1", "model.d_ff=32", "model.n_encoder_layers=1"]
 
 
@@ -22,7 +23,21 @@ def name(path: Path) -> str:
 
 
 def test_there_are_recipes_and_sweeps():
-    assert RECIPES and SWEEPS
+    assert RECIPES and SWEEPS and EXPERIMENTS
+
+
+@pytest.mark.parametrize("path", EXPERIMENTS, ids=name)
+def test_experiment_loads_and_every_cell_builds(path):
+    """Every cell's recipe validates (load_experiment checks them) and builds on the meta
+    device at its own size; the spec opens with the claim it measures and its command."""
+    from xformer.experiment import load_experiment
+
+    experiment = load_experiment(path)
+    assert path.read_text().startswith("# Claim:") and "xformer experiment " in path.read_text()
+    for cell in experiment.cells:
+        with torch.device("meta"):
+            model = build_for_recipe(experiment.recipe(cell, experiment.config.seeds[0]), init=False)
+        assert count_parameters(model)["total"] > 0
 
 
 @pytest.mark.parametrize("path", RECIPES, ids=name)
