@@ -102,3 +102,31 @@ def test_a_bad_spec_is_one_line_before_anything_runs(corpus, tmp_path, change, w
 def test_a_recipe_where_an_experiment_belongs_is_named(tmp_path):
     result = runner.invoke(app, ["experiment", str(RECIPE), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "no [experiment] table" in result.stderr and "xformer train" in result.stderr
+
+
+def test_a_classification_experiment_pairs_its_runs_by_mcnemar(tmp_path):
+    """A generated task (recall): accuracy per cell, and McNemar's test of each seed's run
+    against the baseline's on the same test examples."""
+    from tests.test_longrange import ROOT
+
+    spec = tmp_path / "depth.toml"
+    spec.write_text(f"""[experiment]
+recipe = {json.dumps(str(ROOT / "recipes" / "longrange" / "recall_transformer.toml"))}
+seeds = [1]
+baseline = "two"
+max_steps = 4
+set = ["data.n_train=64", "data.n_valid=32", "data.n_test=48", "data.max_len=32", "data.curriculum_lengths=[]",
+       "data.curriculum_steps=[]", "train.valid_every=2", "model.d_model=16", "model.d_ff=32", "model.n_heads=2"]
+
+[experiment.cells]
+one = ["model.n_encoder_layers=1"]
+two = []
+""")
+    result = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "out"), "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert report["metric"] == "accuracy"
+    (paired,) = report["cells"][0]["paired"]
+    runs = {r["cell"]: r for r in report["runs"]}
+    assert paired["difference"] == pytest.approx(runs["one"]["test"] - runs["two"]["test"])
+    assert 0 < paired["p_value"] <= 1

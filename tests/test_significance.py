@@ -88,3 +88,24 @@ def test_a_baseline_on_another_test_set_is_refused_in_one_line(two_runs, corpus,
     assert "its test set has other references" in bad.stderr and "(20 against 40 sentences)" in bad.stderr
     nothing = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(tmp_path / "none")])
     assert nothing.exit_code == 2 and "Traceback" not in nothing.output
+
+
+def test_mcnemar_is_the_exact_binomial_on_the_disagreements():
+    """Against every assignment of the discordant examples written out: the two-sided p is the
+    share of equally likely outcomes at least as lopsided as the one seen."""
+    import itertools
+
+    from xformer.significance import mcnemar
+
+    correct = [True] * 7 + [False] * 2 + [True] * 5 + [False] * 3   # 7 wins, 2 losses, 8 ties
+    baseline = [False] * 7 + [True] * 2 + [True] * 5 + [False] * 3
+    got = mcnemar(correct, baseline)
+    assert (got["wins"], got["losses"]) == (7, 2)
+    n, seen = 9, abs(7 - 2)
+    outcomes = list(itertools.product([0, 1], repeat=n))
+    naive = sum(abs(2 * sum(o) - n) >= seen for o in outcomes) / len(outcomes)
+    assert got["p_value"] == pytest.approx(naive)
+    assert got["difference"] == pytest.approx(100 * (12 - 7) / 17)
+    assert mcnemar(correct, correct)["p_value"] == 1.0
+    with pytest.raises(DataError, match="17 predictions against 16"):
+        mcnemar(correct, baseline[:-1])

@@ -18,8 +18,9 @@ run's checkpoint with the best validation score (train.best_metric) is scored on
 split. Then
 
     OUT/results.json   every run, and per cell: the test and validation metric's mean and std
-                       over seeds, the mean difference from the baseline, and for translation
-                       sacreBLEU's paired bootstrap against the baseline run of the same seed
+                       over seeds, the mean difference from the baseline, and a paired test
+                       against the baseline run of the same seed (translation: sacreBLEU's
+                       paired bootstrap; classification: McNemar's exact test)
     OUT/results.md     the same as a table
     OUT/results.png    the test metric per cell, mean and std
 """
@@ -41,8 +42,9 @@ from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.recipe_io import load_recipe
 from xformer.results import ExperimentResult
-from xformer.significance import paired_bleu
+from xformer.significance import mcnemar, paired_bleu
 from xformer.strict import did_you_mean, section_from_dict
+from xformer.tasks import make_task
 from xformer.train import run, run_state
 
 if sys.version_info >= (3, 11):
@@ -181,6 +183,7 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
     return {"cell": cell, "seed": seed, "metric": metric, "test": test[metric], "valid": best.get(metric),
             "best_step": best.get("step"), "steps": trained["steps"], "parameters": trained["parameters"],
             "train_seconds": trained["train_seconds"], "hypotheses": test.get("hypotheses"),
+            "predictions": test.get("predictions"),
             "run_dir": str(run_dir)}
 
 
@@ -198,9 +201,8 @@ def _compare(experiment: Experiment, rows: dict, out_dir: Path) -> ExperimentRes
         if cell != c.baseline:
             base = [rows[(c.baseline, s)] for s in c.seeds]
             entry["difference"] = statistics.fmean(m["test"] - b["test"] for m, b in zip(mine, base, strict=True))
-            if mine[0]["metric"] == "bleu":
-                entry["paired"] = [_paired(m, b, experiment) for m, b in zip(mine, base, strict=True)]
-                entry["significant_seeds"] = sum(p["p_value"] < SIGNIFICANT for p in entry["paired"])
+            entry["paired"] = [_paired(m, b, experiment) for m, b in zip(mine, base, strict=True)]
+            entry["significant_seeds"] = sum(p["p_value"] < SIGNIFICANT for p in entry["paired"])
         cells.append(entry)
     metric = rows[(c.baseline, c.seeds[0])]["metric"]
     budget = f"{c.max_steps} steps" if c.max_steps else f"{c.max_time:g} minutes"
@@ -209,12 +211,23 @@ def _compare(experiment: Experiment, rows: dict, out_dir: Path) -> ExperimentRes
 
 
 def _paired(mine: dict, base: dict, experiment: Experiment) -> dict:
+    """The run against the baseline run of its seed on the test set: sacreBLEU's paired
+    bootstrap (translation) or McNemar's exact test (classification)."""
     recipe = experiment.recipe(mine["cell"], mine["seed"])
-    d = recipe.data
-    refs = list(load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None,
-                           complete=True)[d.target_lang])
-    hyps = [Path(r["hypotheses"]).read_text(encoding="utf-8").splitlines() for r in (mine, base)]
-    p = paired_bleu(hyps[0], hyps[1], refs)
+    if mine["metric"] == "bleu":
+        d = recipe.data
+        refs = list(load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None,
+                               complete=True)[d.target_lang])
+        hyps = [Path(r["hypotheses"]).read_text(encoding="utf-8").splitlines() for r in (mine, base)]
+        p = paired_bleu(hyps[0], hyps[1], refs)
+    else:
+        task = make_task(recipe)
+        task.load_vocabulary(Path(mine["run_dir"]))
+        examples, _ = task.examples(None, None)
+        gold = [task.labels[i] for i in examples.labels]
+        right = [[p == g for p, g in zip(Path(r["predictions"]).read_text(encoding="utf-8").splitlines(), gold,
+                                         strict=True)] for r in (mine, base)]
+        p = mcnemar(right[0], right[1])
     return {"seed": mine["seed"], "difference": p["difference"], "p_value": p["p_value"]}
 
 

@@ -7,9 +7,14 @@ over the resamples.
 
 Resampling draws with sacreBLEU's own seed (SACREBLEU_SEED, 12345 unless set), so the same
 inputs give the same p-value in every process.
+
+For accuracy, McNemar's exact test: only the examples the two systems disagree on count, and
+under "neither is better" each such example is a fair coin (two-sided binomial p-value).
 """
 
 from __future__ import annotations
+
+import math
 
 from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
@@ -41,3 +46,19 @@ def paired_bleu(hypotheses: list[str], baseline: list[str], references: list[str
         "baseline_mean": float(base.mean), "baseline_interval": float(base.ci),
         "signature": str(signatures["BLEU"]),
     }
+
+
+def mcnemar(correct: list[bool], baseline: list[bool]) -> dict:
+    """McNemar's exact test between two classifiers' per-example correctness on one test set:
+    `wins` (right where the baseline is wrong), `losses` (the reverse), the accuracy
+    difference in points, and the two-sided p-value (1.0 when they never disagree)."""
+    if len(correct) != len(baseline):
+        raise DataError(f"paired test: {len(correct)} predictions against {len(baseline)} baseline predictions; "
+                        "both systems must classify the same test set")
+    wins = sum(a and not b for a, b in zip(correct, baseline, strict=True))
+    losses = sum(b and not a for a, b in zip(correct, baseline, strict=True))
+    n = wins + losses
+    tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2 ** n if n else 1.0
+    total = max(len(correct), 1)
+    return {"test": "McNemar's exact test", "wins": wins, "losses": losses,
+            "difference": 100.0 * (sum(correct) - sum(baseline)) / total, "p_value": min(1.0, 2 * tail)}
