@@ -10,6 +10,7 @@ import xformer
 from xformer_cli.average import average
 from xformer_cli.bench import bench_app
 from xformer_cli.check import check
+from xformer_cli.claims import claims
 from xformer_cli.common import Command
 from xformer_cli.evaluate import evaluate, translate
 from xformer_cli.experiment import experiment
@@ -58,6 +59,7 @@ app.command("eval", cls=Command)(evaluate)
 app.command("translate", cls=Command)(translate)
 app.command("longrange", cls=Command)(longrange)
 app.command("experiment", cls=Command)(experiment)
+app.command("claims", cls=Command)(claims)
 app.command("inspect-heads", cls=Command)(inspect_heads_command)
 app.command("average", cls=Command)(average)
 app.command("export", cls=Command)(export)

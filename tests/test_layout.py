@@ -16,11 +16,11 @@ LAYERS = [
     ["xformer.model", "xformer.data", "xformer.checkpoint", "xformer.runtime", "xformer.optim", "xformer.losses",
      "xformer.runlog", "xformer.distributed",
      "xformer.rundir", "xformer.decode", "xformer.instrument", "xformer.quantize",
-     "xformer.engines", "xformer.runcard", "xformer.compiling", "xformer.significance"],
+     "xformer.engines", "xformer.runcard", "xformer.compiling", "xformer.significance", "xformer.claims"],
     ["xformer.tasks"],
     ["xformer.recipe_io", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
      "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers", "xformer.export",
-     "xformer.experiment"],
+     "xformer.experiment", "xformer.ledger"],
     ["xformer"],  # the package's __init__: the library's front door
 ]
 

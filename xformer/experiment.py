@@ -34,6 +34,7 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xformer.claims import Check, Claim, claim_from_table
 from xformer.config import Recipe
 from xformer.data.corpus import load_split
 from xformer.errors import RecipeError, RunError
@@ -42,7 +43,7 @@ from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.recipe_io import load_recipe
 from xformer.results import ExperimentResult
-from xformer.significance import mcnemar, paired_bleu
+from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task
 from xformer.train import run, run_state
@@ -53,7 +54,7 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
-SIGNIFICANT = 0.05
+TABLES = ("experiment", "claim")
 
 
 @dataclass
@@ -86,6 +87,8 @@ class Experiment:
     cells: dict[str, list[str]]
     source: Path
     overrides: list[str] = field(default_factory=list)  # --set of every cell, after experiment.set
+    claim: Claim | None = None  # the [claim] the experiment tests (xformer/claims.py), if any
+    checks: list[Check] = field(default_factory=list)
 
     def recipe(self, cell: str, seed: int) -> Recipe:
         c = self.config
@@ -107,7 +110,7 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     if "experiment" not in raw:
         raise RecipeError(f"{path}: no [experiment] table; an experiment names a recipe, seeds and cells "
                           "(a recipe runs with `xformer train`)")
-    problems = [f"{path}: {k}: unknown table{did_you_mean(k, ['experiment'])}" for k in raw if k != "experiment"]
+    problems = [f"{path}: {k}: unknown table{did_you_mean(k, TABLES)}" for k in raw if k not in TABLES]
     table = dict(raw["experiment"])
     cells = table.pop("cells", {})
     if not isinstance(cells, dict) or not cells:
@@ -124,9 +127,15 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     if typed:
         local += config.problems(cells)
     problems += [f"{path}: {p}" for p in local]
+    claim, checks = None, []
+    if isinstance(raw.get("claim"), dict):
+        claim, checks, found = claim_from_table(raw["claim"], list(cells), str(path), config.baseline)
+        problems += found
+    elif "claim" in raw:
+        problems.append(f"{path}: claim: expected a table, found {raw['claim']!r}")
     if problems:
         raise RecipeError(problems)
-    experiment = Experiment(config, cells, path, list(overrides))
+    experiment = Experiment(config, cells, path, list(overrides), claim, checks)
     for name in cells:
         try:
             experiment.recipe(name, config.seeds[0])

@@ -150,3 +150,12 @@ class ExperimentResult(Result):
     cells: list[dict]  # per cell: test and valid mean/std, difference from the baseline, paired tests
     runs: list[dict]  # one per (cell, seed)
     source: str  # the spec file
+
+
+@dataclass
+class Ledger(Result):
+    """The claims ledger (`xformer claims`): one row per claim spec, with its verdict."""
+
+    rows: list[dict]  # number, says, spec, verdict; checks and the record when measured; blocked when not
+    markdown: str  # the file written
+    records: str  # the folder of records

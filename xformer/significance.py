@@ -22,6 +22,7 @@ from sacrebleu.significance import PairedTest
 from xformer.errors import DataError
 
 SAMPLES = 1000  # sacreBLEU's default for --paired-bs
+SIGNIFICANT = 0.05  # a paired test's p-value below this counts as a significant difference
 
 
 def paired_bleu(hypotheses: list[str], baseline: list[str], references: list[str], *,

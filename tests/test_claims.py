@@ -1,0 +1,194 @@
+"""The claims ledger: each check's verdict from per-seed differences and paired tests, the
+claim's verdict from its checks, and `xformer claims` writing docs/claims.md from real
+experiment folders or, where a folder is gone, from the records it kept."""
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from xformer.claims import Check, judge, verdict
+from xformer.ledger import ledger_problems
+from xformer_cli.main import app
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def results(tests: dict[str, list[float]], p: dict[str, list[float]], baseline: str = "base") -> dict:
+    """An experiment's results.json as the ledger reads it: per-seed test scores and, per cell
+    but the baseline, each seed's paired p-value."""
+    seeds = list(range(1, len(tests[baseline]) + 1))
+    cells = [{"cell": c} if c == baseline else
+             {"cell": c, "paired": [{"seed": s, "p_value": v} for s, v in zip(seeds, p[c], strict=True)]}
+             for c in tests]
+    runs = [{"cell": c, "seed": s, "test": t} for c, scores in tests.items()
+            for s, t in zip(seeds, scores, strict=True)]
+    return {"baseline": baseline, "seeds": seeds, "cells": cells, "runs": runs}
+
+
+BASE = [10.0, 12.0]  # mean 11: 1% is 0.11, 15% is 1.65
+
+
+@pytest.mark.parametrize(("scores", "p", "check", "expected"), [
+    # better: both seeds up, both significant, mean +1 >= 5% of 11 (0.55)
+    ([11.0, 13.0], [0.01, 0.02], Check("x", "better", percent=5), "supported"),
+    # ... but one seed not significant: not shown
+    ([11.0, 13.0], [0.01, 0.20], Check("x", "better", percent=5), "inconclusive"),
+    # ... both up and significant, but the claimed 15% (1.65) is above every seed's +1.0, and
+    # the mean's standard error is 0 (both +1): short of the claim
+    ([11.0, 13.0], [0.01, 0.02], Check("x", "better", percent=15), "contradicted"),
+    # ... the other way in both seeds, significantly
+    ([9.0, 11.5], [0.01, 0.04], Check("x", "better"), "contradicted"),
+    # ... the seeds disagree
+    ([10.5, 11.0], [0.03, 0.03], Check("x", "better"), "inconclusive"),
+    # worse by at least 1 point: -1.5 and -2.0
+    ([8.5, 10.0], [0.001, 0.001], Check("x", "worse", points=1), "supported"),
+    # not_better: level once, up once but not significantly (mean above zero)
+    ([10.0, 13.0], [0.50, 0.30], Check("x", "not_better"), "inconclusive"),
+    ([9.0, 11.9], [0.01, 0.60], Check("x", "not_better"), "supported"),
+    ([11.0, 13.0], [0.01, 0.01], Check("x", "not_better"), "contradicted"),
+    # not_worse by 10% (1.1): -1.0 and -0.5 pass; -1.5 and -2 fail significantly
+    ([9.0, 11.5], [0.01, 0.30], Check("x", "not_worse", percent=10), "supported"),
+    ([8.5, 10.0], [0.01, 0.01], Check("x", "not_worse", percent=10), "contradicted"),
+    ([8.5, 12.0], [0.01, 1.00], Check("x", "not_worse", percent=10), "inconclusive"),
+    # same within 0.3 points
+    ([10.2, 11.8], [0.4, 0.5], Check("x", "same", points=0.3), "supported"),
+    ([11.0, 13.0], [0.01, 0.01], Check("x", "same", points=0.3), "contradicted"),
+    ([11.0, 13.0], [0.01, 0.40], Check("x", "same", points=0.3), "inconclusive"),
+])
+def test_a_check_is_judged_on_every_seed_and_its_paired_test(scores, p, check, expected):
+    outcome = judge(check, results({"base": BASE, "x": scores}, {"x": p}))
+    assert outcome.verdict == expected, outcome.reason
+    assert "x - base per seed" in outcome.reason
+
+
+def test_a_check_between_two_cells_that_are_not_the_baseline_has_no_paired_test():
+    data = results({"base": BASE, "a": [11.0, 13.0], "b": [12.0, 14.0]}, {"a": [0.01, 0.01], "b": [0.01, 0.01]})
+    outcome = judge(Check("b", "better", than="a"), data)
+    assert outcome.verdict == "supported" and "no paired test" in outcome.reason
+    assert "+1.00 (+8.3%)" in outcome.reason  # b - a in seed 1, relative to a's mean of 12
+
+
+def test_a_claim_depends_when_its_parts_disagree():
+    data = results({"base": BASE, "a": [11.0, 13.0], "b": [9.0, 11.0]}, {"a": [0.01, 0.01], "b": [0.01, 0.01]})
+    up, down = (judge(Check(c, "better"), data) for c in ("a", "b"))
+    assert (up.verdict, down.verdict) == ("supported", "contradicted")
+    assert verdict([up, down]) == "depends"
+    assert verdict([up, up]) == "supported"
+    assert verdict([up, judge(Check("a", "better", percent=50), data)]) == "depends"
+
+
+SPEC = """# Claim: deeper is better
+[experiment]
+recipe = {recipe}
+seeds = [1, 2]
+baseline = "two"
+max_steps = 4
+set = ["data.n_train=64", "data.n_valid=32", "data.n_test=48", "data.max_len=32", "data.curriculum_lengths=[]",
+       "data.curriculum_steps=[]", "train.valid_every=2", "model.d_model=16", "model.d_ff=32", "model.n_heads=2"]
+
+[experiment.cells]
+one = ["model.n_encoder_layers=1"]
+two = []
+
+[claim]
+number = 3
+says = "Two layers beat one."
+scale = "a 4-step toy"
+
+[[claim.checks]]
+cell = "one"
+expect = "worse"
+"""
+
+BLOCKED = """[claim]
+number = 1
+says = "Something xformer cannot build yet."
+blocked = "a missing model field"
+"""
+
+
+@pytest.fixture(scope="module")
+def ledger(tmp_path_factory):
+    """Two claim specs (one measured by a real recall experiment, one blocked), the experiment
+    run, and the ledger written by the CLI."""
+    folder = tmp_path_factory.mktemp("claims")
+    specs = folder / "specs"
+    specs.mkdir()
+    recipe = json.dumps(str(ROOT / "recipes" / "longrange" / "recall_transformer.toml"))
+    (specs / "depth.toml").write_text(SPEC.format(recipe=recipe))
+    (specs / "blocked.toml").write_text(BLOCKED)
+    trained = runner.invoke(app, ["experiment", str(specs / "depth.toml"), "--out", str(folder / "runs" / "depth"),
+                                  "--device", "cpu"])
+    assert trained.exit_code == 0, trained.output
+    out = folder / "docs" / "claims.md"
+    made = runner.invoke(app, ["claims", str(specs), "--runs", str(folder / "runs"), "--out", str(out), "--json"])
+    assert made.exit_code == 0, made.output
+    return folder, specs, out, json.loads(made.stdout.strip().splitlines()[-1])
+
+
+def test_the_ledger_judges_each_claim_from_its_experiment(ledger):
+    folder, specs, out, report = ledger
+    blocked, depth = report["rows"]  # ordered by claim number
+    assert (blocked["number"], blocked["verdict"], blocked["blocked"]) == (1, "not measurable yet",
+                                                                           "a missing model field")
+    measured = json.loads((folder / "runs" / "depth" / "results.json").read_text())
+    from xformer.ledger import read_spec
+
+    _, experiment = read_spec(specs / "depth.toml")
+    expected = judge(experiment.checks[0], measured)
+    assert depth["checks"][0]["verdict"] == expected.verdict and depth["verdict"] == verdict([expected])
+    text = out.read_text()
+    assert "| 3 | Two layers beat one. |" in text and f"**Verdict: {expected.verdict}.**" in text
+    assert "Not measurable yet: a missing model field" in text
+    assert f"xformer experiment {specs / 'depth.toml'}" in text
+    # the kept record has the results without paths of the machine that ran them
+    record = json.loads((folder / "docs" / "claims" / "depth.json").read_text())
+    assert record["results"]["cells"] == measured["cells"]
+    assert not any(key in run for run in record["results"]["runs"] for key in ("run_dir", "predictions"))
+    assert record["hardware"]["device"] == "cpu" and record["train_minutes"] >= 0
+
+
+def test_the_ledger_regenerates_from_its_records_when_the_runs_are_gone(ledger, tmp_path):
+    folder, specs, out, _ = ledger
+    copy = tmp_path / "docs"
+    shutil.copytree(out.parent, copy)
+    assert ledger_problems(specs, copy / "claims.md") == []
+    again = runner.invoke(app, ["claims", str(specs), "--runs", str(tmp_path / "no-runs"),
+                                "--out", str(copy / "claims.md")])
+    assert again.exit_code == 0, again.output
+    assert (copy / "claims.md").read_text() == out.read_text()
+    (copy / "claims.md").write_text(out.read_text().replace("Two layers", "Three layers"))
+    assert "not what `xformer claims` generates" in ledger_problems(specs, copy / "claims.md")[0]
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (('cell = "one"', 'cell = "onne"'), "claim.checks[0].cell: expected one of the cells (one, two), found 'onne'; "
+                                        "did you mean 'one'?"),
+    (('expect = "worse"', 'expect = "same"'), "claim.checks[0].percent: 'same' needs a tolerance"),
+    (('expect = "worse"', 'expect = "worse"\npercent = 1\npoints = 1'), "expected percent or points, not both"),
+    (('cell = "one"', 'cell = "two"'), "compares 'two' with itself"),
+    (("number = 3", "number = 0"), "claim.number: expected the claim's positive number"),
+    (('expect = "worse"', 'expect = "wrose"'), "claim.checks[0].expect: expected one of"),
+])
+def test_a_bad_claim_is_one_line_naming_the_file_and_field(tmp_path, change, words):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    recipe = json.dumps(str(ROOT / "recipes" / "longrange" / "recall_transformer.toml"))
+    (specs / "bad.toml").write_text(SPEC.format(recipe=recipe).replace(*change))
+    result = runner.invoke(app, ["claims", str(specs), "--runs", str(tmp_path / "runs"), "--out",
+                                 str(tmp_path / "claims.md")])
+    assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.output, result.stderr
+    assert str(specs / "bad.toml") in result.stderr and not (tmp_path / "claims.md").exists()
+    # the experiment command reads the same table and refuses it before training
+    ran = runner.invoke(app, ["experiment", str(specs / "bad.toml"), "--out", str(tmp_path / "out")])
+    assert ran.exit_code == 2 and words in ran.stderr
+
+
+def test_a_blocked_claim_must_say_what_is_missing(tmp_path):
+    (tmp_path / "b.toml").write_text(BLOCKED.replace('blocked = "a missing model field"\n', ""))
+    result = runner.invoke(app, ["claims", str(tmp_path), "--out", str(tmp_path / "claims.md")])
+    assert result.exit_code == 2 and "claim.blocked: a claim without an [experiment] must say" in result.stderr
