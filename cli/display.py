@@ -29,16 +29,30 @@ class TrainDisplay:
             console=self.console, transient=False,
         )
         self.task = None
+        self.teacher_bar: Progress | None = None
 
     def __enter__(self):
         return self  # the bar appears at the "start" event, after data and tokenizer are ready
 
     def __exit__(self, *exc):
         self.progress.stop()
+        if self.teacher_bar is not None:
+            self.teacher_bar.stop()
 
     def __call__(self, kind: str, payload: dict) -> None:
         if kind == "setup":
             self.progress.console.print(payload["message"], style="dim", markup=False)
+        elif kind == "distill":  # the teacher translating the training sources, before training
+            if self.teacher_bar is None:
+                self.teacher_bar = Progress(TextColumn("[bold]teacher[/bold]"), BarColumn(bar_width=16),
+                                            TaskProgressColumn(), TimeElapsedColumn(), TextColumn("ETA"),
+                                            TimeRemainingColumn(), TextColumn("{task.completed:,.0f} sentences"),
+                                            console=self.console, transient=True)
+                self.teacher_bar.start()
+                self.teacher_bar.add_task("teacher", total=payload["total"])
+            self.teacher_bar.update(0, completed=payload["done"])
+            if payload["done"] >= payload["total"]:
+                self.teacher_bar.stop()
         elif kind == "warning":
             self.progress.console.print(payload["message"], style="bold yellow", markup=False)
         elif kind == "start":

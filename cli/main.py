@@ -12,6 +12,7 @@ from xformer_cli.bench import bench_app
 from xformer_cli.check import check
 from xformer_cli.claims import claims
 from xformer_cli.common import Command
+from xformer_cli.distill import distill
 from xformer_cli.evaluate import evaluate, translate
 from xformer_cli.experiment import experiment
 from xformer_cli.export import export
@@ -55,6 +56,7 @@ def main(
 app.command("check", cls=Command)(check)
 app.command("tokenize", cls=Command)(tokenize)
 app.command("train", cls=Command)(train)
+app.command("distill", cls=Command)(distill)
 app.command("eval", cls=Command)(evaluate)
 app.command("translate", cls=Command)(translate)
 app.command("longrange", cls=Command)(longrange)

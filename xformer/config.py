@@ -317,7 +317,45 @@ class EvalConfig:
         )
 
 
-SECTIONS: dict[str, type] = {cls.SECTION: cls for cls in (ModelConfig, DataConfig, TrainConfig, EvalConfig)}
+DistillKind = Literal["word", "sequence"]
+
+
+@dataclass
+class DistillConfig:
+    """[distill]: knowledge distillation from a trained translation run, the teacher (Hinton et al.
+    2015, arXiv:1503.02531; Kim & Rush 2016, arXiv:1606.07947). The student shares the teacher's
+    tokenizer (copied into its run directory). Left out of saved recipes when there is no teacher.
+
+    word      each target token's loss is (1 - alpha) * the label-smoothed NLL of the reference
+              + alpha * T^2 * KL(teacher || student), both distributions at temperature T
+    sequence  the student trains on the teacher's beam translations of the training sources
+              (written once into TEACHER/distilled/ and reused), validated on the references
+    """
+
+    SECTION: ClassVar[str] = "distill"
+
+    teacher: str = ""  # the teacher's run directory; "" trains on the references alone
+    kind: DistillKind = "sequence"
+    checkpoint: CheckpointChoice = "best"  # the teacher's
+    alpha: float = field(default=0.5, metadata=only_when("kind", "word"))
+    temperature: float = field(default=1.0, metadata=only_when("kind", "word"))
+    beam: int | None = field(default=None, metadata=only_when("kind", "sequence"))  # None: the teacher's eval.beam
+    lenpen: float | None = field(default=None, metadata=only_when("kind", "sequence"))  # None: its eval.lenpen
+
+    def problems(self) -> list[str]:
+        out = probability(self, "alpha") + positive(self, "temperature")
+        if not self.teacher and self != DistillConfig():
+            out.append("distill.teacher: expected the teacher's run directory (the other [distill] keys "
+                       "apply only with a teacher), found nothing")
+        if self.beam is not None and self.beam <= 0:
+            out.append(f"distill.beam: expected a positive integer, found {self.beam}")
+        if self.lenpen is not None and self.lenpen < 0:
+            out.append(f"distill.lenpen: expected zero or more, found {self.lenpen}")
+        return out
+
+
+SECTIONS: dict[str, type] = {cls.SECTION: cls for cls in (ModelConfig, DataConfig, TrainConfig, EvalConfig,
+                                                          DistillConfig)}
 
 
 @dataclass
@@ -328,10 +366,11 @@ class Recipe:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
+    distill: DistillConfig = field(default_factory=DistillConfig)
 
     def problems(self) -> list[str]:
         out = self.model.problems() + self.data.problems()
-        out += self.train.problems() + self.eval.problems()
+        out += self.train.problems() + self.eval.problems() + self.distill.problems()
         return out + self.cross_section_problems()
 
     def cross_section_problems(self) -> list[str]:
@@ -341,6 +380,11 @@ class Recipe:
                        f"found {self.data.max_len}")
         if self.eval.checkpoint == "averaged" and self.train.average_last == 0:
             out.append("eval.checkpoint: 'averaged' needs train.average_last > 0, found 0")
+        if self.distill.teacher:
+            if self.data.task != "translation":
+                out.append(f"distill.teacher: distillation is for translation, found data.task = {self.data.task!r}")
+            if self.distill.kind == "word" and self.train.rdrop_alpha > 0:
+                out.append("distill.kind: 'word' does not combine with train.rdrop_alpha > 0; set one of them")
         return out + self.data.recipe_problems(self)
 
     @property
@@ -352,7 +396,8 @@ class Recipe:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Stored fields only (no properties), leaving out fields of switched-off variants."""
-        return {name: section_to_dict(getattr(self, name)) for name in SECTIONS}
+        return {name: section_to_dict(getattr(self, name)) for name in SECTIONS
+                if name != "distill" or self.distill.teacher}
 
     def to_toml(self) -> str:
         lines: list[str] = []

@@ -71,3 +71,17 @@ class _SmoothedNLL(torch.autograd.Function):
         grad.scatter_add_(-1, safe[:, None], grad.new_full((grad.size(0), 1), -(1.0 - eps)))
         grad.mul_((keep.to(grad.dtype) * grad_output)[:, None])
         return grad.to(logits.dtype), None, None, None
+
+
+def distillation_kl(logits: Tensor, teacher_logits: Tensor, temperature: float = 1.0,
+                    keep: Tensor | None = None) -> Tensor:
+    """Word-level knowledge distillation's term (Hinton et al. 2015, arXiv:1503.02531; Kim & Rush
+    2016, arXiv:1606.07947): the sum over positions (where `keep`, shaped like logits without V,
+    is True) of KL(softmax(teacher / T) || softmax(student / T)) = sum_v q_v (log q_v - log p_v),
+    in fp32. logits and teacher_logits: (..., V)."""
+    log_q = (teacher_logits.float() / temperature).log_softmax(-1)
+    log_p = (logits.float() / temperature).log_softmax(-1)
+    kl = (log_q.exp() * (log_q - log_p)).sum(-1)
+    if keep is not None:
+        kl = kl * keep
+    return kl.sum()

@@ -44,7 +44,7 @@ from xformer.instrument import PeakMemory, allocator_peak
 from xformer.model.dropout import use_fast_dropout
 from xformer.model.flex import unavailable as flex_unavailable
 from xformer.optim import build_optimizer, learning_rate
-from xformer.recipe_io import load_recipe
+from xformer.recipe_io import load_recipe, load_run_recipe
 from xformer.runcard import run_card
 from xformer.rundir import (
     check_out_dir,
@@ -190,6 +190,8 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
     where = dict(resume=resume, overwrite=overwrite, recipe_path=recipe_path)
     prepare_run_dir(out_dir, recipe, **where, check_only=True)  # before minutes of data loading
     task = make_task(recipe)
+    if recipe.distill.teacher:  # a teacher that cannot teach fails before minutes of data loading
+        task.use_teacher(load_run_recipe(recipe.distill.teacher), rt)
     task.load(emit)
     card = run_card(recipe, rt, recipe.data.fingerprints())
     resumable = resume and has_checkpoint(out_dir)

@@ -19,19 +19,20 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from xformer.config import Recipe, TrainConfig
+from xformer.checkpoint import read_checkpoint_meta, run_checkpoint
+from xformer.config import DistillConfig, Recipe, TrainConfig
 from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from xformer.decode import translate_ids
 from xformer.engines import ctranslate2_ids, ctranslate2_meta
-from xformer.errors import DataError, RunError
+from xformer.errors import DataError, RecipeError, RunError
 from xformer.events import Event
-from xformer.files import atomic_write_text
-from xformer.losses import rdrop_kl, sequence_loss
+from xformer.files import atomic_write_bytes, atomic_write_text
+from xformer.losses import distillation_kl, rdrop_kl, sequence_loss
 from xformer.metrics import translation_scores
 from xformer.results import TranslationEval
-from xformer.rundir import eval_name, tokenizer_dir
+from xformer.rundir import eval_name, tokenizer_digest, tokenizer_dir
 from xformer.runtime import Runtime
 from xformer.tasks.base import (
     CorpusData,
@@ -43,6 +44,7 @@ from xformer.tasks.base import (
     mark_pad,
     site_space,
 )
+from xformer.tasks.teacher import Teacher, distilled_corpus
 
 SETTINGS = "settings.json"  # the [data] values a tokenizer was trained with, next to it
 
@@ -97,12 +99,14 @@ class TranslationData(CorpusData):
 
 
 def translation_loss(model, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: torch.Tensor, rt: Runtime,
-                     train: TrainConfig, index_rows: bool) -> torch.Tensor:
+                     train: TrainConfig, index_rows: bool, teacher: Teacher | None = None,
+                     distill: DistillConfig | None = None) -> torch.Tensor:
     """Summed label-smoothed NLL of tgt_out; `index_rows`: project only the real target
     positions (the model returns (N, V)) instead of masking pad in (B, T, V). With
     train.rdrop_alpha > 0 the batch runs twice (two dropout masks) and the loss is the mean of
     the two NLLs plus alpha / 2 times rdrop_kl: fairseq's R-Drop criterion divided by 2 (the
-    same optimum at the usual loss scale)."""
+    same optimum at the usual loss scale). With a `teacher` (word-level distillation) it is
+    (1 - alpha) * the NLL + alpha * T^2 * the summed KL(teacher || student) at temperature T."""
     alpha = train.rdrop_alpha
     if alpha > 0:
         src, tgt_in, tgt_out = (torch.cat([x, x]) for x in (src, tgt_in, tgt_out))
@@ -111,6 +115,12 @@ def translation_loss(model, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: to
         logits = model(src, tgt_in, keep=keep)
     target = tgt_out[keep] if keep is not None else tgt_out
     loss = sequence_loss(logits, target, PAD_ID, train.label_smoothing, fused=train.fast_paths)
+    if teacher is not None:
+        with rt.autocast():
+            taught = teacher.logits(src, tgt_in, keep)
+        a, t = distill.alpha, distill.temperature
+        kl = distillation_kl(logits, taught, t, None if index_rows else tgt_out.ne(PAD_ID))
+        return (1 - a) * loss + a * t * t * kl
     if alpha == 0:
         return loss
     # indexed rows are copy 1's real positions, then copy 2's, in the same order
@@ -121,6 +131,11 @@ def translation_loss(model, src: torch.Tensor, tgt_in: torch.Tensor, tgt_out: to
 class TranslationTask(Task):
     Data = TranslationData
     tokenizer: Tokenizer | None = None
+    teacher: Teacher | None = None  # [distill]'s (use_teacher), before prepare
+
+    def use_teacher(self, teacher_recipe: Recipe, rt: Runtime) -> None:
+        """Distil from the run [distill] names, whose saved recipe is `teacher_recipe`."""
+        self.teacher = open_teacher(self.recipe, teacher_recipe, rt)
 
     # ------------------------------------------------------------ training
     def load(self, emit: Event) -> None:
@@ -129,9 +144,16 @@ class TranslationTask(Task):
 
     def prepare(self, run_dir: Path, emit: Event) -> None:
         recipe, d = self.recipe, self.recipe.data
+        if self.teacher is not None:  # a student shares its teacher's vocabulary
+            share_tokenizer(self.teacher.run_dir, run_dir)
         if not tokenizer_dir(run_dir).is_dir():
             emit("setup", {"message": f"training a {d.vocab_size}-piece {d.tokenizer} sentencepiece model"})
         self.tokenizer = ensure_tokenizer(recipe, run_dir, self.train_raw)
+        if self.teacher is not None and recipe.distill.kind == "sequence":
+            sources = [s or "" for s in self.train_raw[d.source_lang]]
+            path = distilled_corpus(self.teacher, sources, self.tokenizer, d.train_split, d.source_lang,
+                                    d.target_lang, recipe.distill.beam, recipe.distill.lenpen, emit)
+            self.train_raw = load_split(str(path), d.train_split, [d.source_lang, d.target_lang])
         emit("setup", {"message": "tokenizing"})
         self.valid_data = encode_split(self.valid_raw, self.tokenizer, d.source_lang, d.target_lang)
         if d.sampling_alpha > 0:  # the training pairs are encoded afresh every epoch
@@ -174,7 +196,9 @@ class TranslationTask(Task):
         src, tgt_in, tgt_out = (batch[k].to(rt.device, non_blocking=True) for k in ("src", "tgt_in", "tgt_out"))
         # On the CPU, project only real target positions (the largest matmul); on CUDA the
         # boolean index would cost a host sync per batch, so pad is masked instead.
-        return translation_loss(model, src, tgt_in, tgt_out, rt, self.recipe.train, index_rows=rt.device.type == "cpu")
+        word = self.teacher is not None and self.recipe.distill.kind == "word"
+        return translation_loss(model, src, tgt_in, tgt_out, rt, self.recipe.train, index_rows=rt.device.type == "cpu",
+                                teacher=self.teacher if word else None, distill=self.recipe.distill)
 
     def validate(self, model, rt: Runtime) -> dict:
         """Validation loss (token NLL, no label smoothing) and, when BLEU picks the best
@@ -396,3 +420,39 @@ def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> T
 def _counts(ids: list[list[int]], size: int) -> np.ndarray:
     flat = np.fromiter((t for seq in ids for t in seq), dtype=np.int64)
     return np.bincount(flat, minlength=size)
+
+
+# ---------------------------------------------------------------- distillation's teacher
+SHARED = ("source_lang", "target_lang", "tokenizer", "vocab_size", "joint_vocab", "character_coverage",
+          "byte_fallback")  # what a student must have as its teacher had it
+
+
+def open_teacher(recipe: Recipe, teacher_recipe: Recipe, rt: Runtime) -> Teacher:
+    """The teacher named by the student recipe's [distill] (`teacher_recipe`: its saved recipe),
+    frozen on the student's device; refused unless it translates the same languages with the
+    tokenizer the student's [data] describes."""
+    run_dir, d = Path(recipe.distill.teacher), teacher_recipe.data
+    if d.task != "translation":
+        raise RecipeError(f"distill.teacher: {run_dir} is a {d.task} run; a teacher is a translation run")
+    differ = [f"distill.teacher: {run_dir} has data.{k} = {getattr(d, k)!r}, the student {getattr(recipe.data, k)!r}; "
+              "a student shares its teacher's tokenizer" for k in SHARED if getattr(d, k) != getattr(recipe.data, k)]
+    if differ:
+        raise RecipeError(differ)
+    model, teacher_rt = TranslationTask(teacher_recipe).open_run(run_dir, recipe.distill.checkpoint,
+                                                                 device=str(rt.device))
+    model.requires_grad_(False)
+    meta = read_checkpoint_meta(run_checkpoint(run_dir, recipe.distill.checkpoint))
+    return Teacher(run_dir, teacher_recipe, model, teacher_rt, recipe.distill.checkpoint, meta.get("sha256", ""))
+
+
+def share_tokenizer(teacher_dir: Path, run_dir: Path) -> None:
+    """Copy the teacher's tokenizer into the student's run; one already there must be it."""
+    mine, theirs = tokenizer_dir(run_dir), tokenizer_dir(teacher_dir)
+    if mine.is_dir() and any(mine.glob("*.model")):
+        if tokenizer_digest(run_dir) != tokenizer_digest(teacher_dir):
+            raise RunError(f"{mine}: not the teacher's tokenizer ({theirs}); a distilled student shares it "
+                           "(use another --out)")
+        return
+    for path in sorted(theirs.iterdir()):
+        if path.is_file():
+            atomic_write_bytes(mine / path.name, path.read_bytes())
