@@ -15,6 +15,7 @@ from torch import nn
 from tests.reference import naive_classifier, naive_norm, naive_seq2seq, naive_sinusoid
 from xformer import config
 from xformer.config import ModelConfig
+from xformer.model.attention import QKV
 from xformer.model.build import build_model, count_parameters
 from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.feedforward import FFNS
@@ -437,7 +438,51 @@ def test_too_long_sequence_names_max_positions():
 
 @pytest.mark.parametrize("literal,table", [
     (config.Positional, POSITIONAL), (config.Norm, NORMS), (config.FFN, FFNS),
-    (config.AttentionPattern, PATTERNS), (config.Downsample, DOWNSAMPLERS),
+    (config.AttentionPattern, PATTERNS), (config.Downsample, DOWNSAMPLERS), (config.QKV, QKV),
 ])
 def test_every_variant_word_has_an_implementation(literal, table):
     assert set(typing.get_args(literal)) == set(table)
+
+
+@pytest.mark.parametrize("arch", ["seq2seq", "classifier"])
+def test_shared_qkv_is_separate_projections_holding_one_matrix(arch):
+    """qkv = "shared": the same outputs as the separate model whose k and v projections are
+    copies of its q projection; 2 * (D^2 + D) fewer parameters per attention module."""
+    n_classes = 3 if arch == "classifier" else None
+    shared = build_model(tiny(arch=arch, qkv="shared"), V, n_classes=n_classes, pad_id=PAD).eval()
+    randomize_(shared)
+    separate = build_model(tiny(arch=arch), V, n_classes=n_classes, pad_id=PAD).eval()
+    state = shared.state_dict()  # every name, the tied ones included
+    separate.load_state_dict(state)
+    sites = [m for m in shared.modules() if hasattr(m, "q_proj")]
+    for attn in sites:
+        assert attn.k_proj.weight is attn.q_proj.weight and attn.v_proj.bias is attn.q_proj.bias
+    src, tgt = torch.randint(1, V, (2, 7)), torch.randint(1, V, (2, 5))
+    args = (src,) if arch == "classifier" else (src, tgt)
+    torch.testing.assert_close(shared(*args), separate(*args))
+    saved = count_parameters(separate)["total"] - count_parameters(shared)["total"]
+    assert saved == len(sites) * 2 * (D * D + D)
+
+
+def test_shared_qkv_stays_one_matrix_through_training_and_a_checkpoint(tmp_path):
+    from xformer.checkpoint import load_model_weights, read_checkpoint, save_checkpoint
+
+    model = build_model(tiny(qkv="shared", dropout=0.1), V, pad_id=PAD)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    src, tgt = torch.randint(1, V, (2, 7)), torch.randint(1, V, (2, 5))
+    for _ in range(2):
+        model(src, tgt).logsumexp(-1).mean().backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    save_checkpoint(tmp_path / "c.safetensors", model, meta={})
+    again = build_model(tiny(qkv="shared", dropout=0.1), V, pad_id=PAD, init=False)
+    load_model_weights(again, read_checkpoint(tmp_path / "c.safetensors")[0])
+    for a, b in zip(model.modules(), again.modules(), strict=True):
+        if hasattr(a, "q_proj"):
+            assert torch.equal(a.q_proj.weight, b.q_proj.weight) and b.k_proj.weight is b.q_proj.weight
+
+
+def test_shared_qkv_needs_every_key_value_head_and_refuses_pruning():
+    assert any("model.qkv: 'shared'" in p and "n_kv_heads" in p for p in tiny(qkv="shared", n_kv_heads=2).problems())
+    pruned = tiny(qkv="shared", pruned_heads=["encoder.0.self_attn:1"])
+    assert any("cannot lose heads" in p for p in pruned.problems())

@@ -39,6 +39,7 @@ FFN = Literal["relu", "gelu", "swiglu", "geglu"]
 AttentionPattern = Literal["full", "sliding_window", "local_global", "strided", "topk", "low_rank"]
 AttentionBackend = Literal["sdpa", "explicit", "flex"]
 Downsample = Literal["pool", "conv"]
+QKV = Literal["separate", "shared"]
 TieEmbeddings = Literal["none", "decoder", "all"]
 # "cls", "mean" and "last" for the Transformer classifier; "last", "mean" and "max" for the LSTM
 Pooling = Literal["cls", "mean", "last", "max"]
@@ -107,6 +108,9 @@ class ModelConfig:
     # sdpa (torch's fused kernels), explicit (written out; returns probabilities) or flex
     # (torch.nn.attention.flex_attention, compiled per shape; torch >= 2.5; model/flex.py)
     attention_backend: AttentionBackend = "sdpa"
+    # q, k and v from separate projections (Vaswani et al. 2017) or from one shared matrix
+    # (model/attention.py QKV); shared needs n_kv_heads = n_heads
+    qkv: QKV = field(default="separate", metadata=only_when("arch", "seq2seq", "classifier"))
     scale_embeddings: bool = True
     tie_embeddings: TieEmbeddings = field(default="decoder", metadata=only_when("arch", "seq2seq"))
     pooling: Pooling = field(default="mean", metadata=only_when("arch", "classifier", "lstm"))
@@ -159,6 +163,13 @@ class ModelConfig:
                 f"model.d_model: sinusoidal positions need an even d_model, found {self.d_model}"
             )
         out += pruned_heads_problems(self)
+        if self.qkv == "shared" and self.arch != "lstm":
+            if self.n_kv_heads is not None and self.n_kv_heads != self.n_heads:
+                out.append(f"model.qkv: 'shared' projects keys and values with the query matrix, so it needs "
+                           f"model.n_kv_heads = model.n_heads = {self.n_heads}, found {self.n_kv_heads}")
+            if self.pruned_heads:
+                out.append("model.qkv: 'shared' projections cannot lose heads (a pruned query head would take "
+                           "its key and value rows); remove model.pruned_heads")
         if self.attention in ("sliding_window", "local_global"):
             out += positive(self, "window")
         if self.attention == "local_global":

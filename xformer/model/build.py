@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from xformer.config import ModelConfig
-from xformer.model.attention import MultiHeadAttention
+from xformer.model.attention import QKV, MultiHeadAttention
 from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.lowrank import LowRankProjection
 from xformer.model.lstm import LSTMClassifier, match_hidden
@@ -112,9 +112,11 @@ def build_model(
         if cfg.tie_embeddings != "none":
             output.weight = tgt_embedding.weight  # Press & Wolf 2017, arXiv:1608.05859
         model = Seq2Seq(encoder, decoder, output, pad_id)
+    sites = attention_modules(model)
+    for attn in sites.values():
+        QKV[cfg.qkv](attn)
     if init:
         init_fairseq_(model, cfg.d_model)
-    sites = attention_modules(model)
     for site, heads in heads_by_site(cfg.pruned_heads).items():
         sites[site].prune_heads(heads)
     return model
