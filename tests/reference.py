@@ -96,7 +96,14 @@ def _ffn(w, name, cfg, x):
 
 
 def _norm(w, name, cfg, x):
+    if cfg.norm == "none":
+        return x
     return naive_norm(x, w[f"{name}.weight"], w.get(f"{name}.bias"), cfg.norm, cfg.norm_eps)
+
+
+def _add(cfg, x, branch):
+    """The residual connection, or the branch alone without one."""
+    return x + branch if cfg.residual else branch
 
 
 def _embed(w, name, cfg, tokens, front=None):
@@ -121,12 +128,12 @@ def _encoder(w, cfg, x, pad):
         layer = f"encoder.layers.{i}"
         if cfg.norm_position == "pre":
             h = _norm(w, f"{layer}.self_attn_norm", cfg, x)
-            x = x + _attention(w, f"{layer}.self_attn", cfg, h, h, allowed, rope)
-            x = x + _ffn(w, f"{layer}.ffn", cfg, _norm(w, f"{layer}.ffn_norm", cfg, x))
+            x = _add(cfg, x, _attention(w, f"{layer}.self_attn", cfg, h, h, allowed, rope))
+            x = _add(cfg, x, _ffn(w, f"{layer}.ffn", cfg, _norm(w, f"{layer}.ffn_norm", cfg, x)))
         else:
             attended = _attention(w, f"{layer}.self_attn", cfg, x, x, allowed, rope)
-            x = _norm(w, f"{layer}.self_attn_norm", cfg, x + attended)
-            x = _norm(w, f"{layer}.ffn_norm", cfg, x + _ffn(w, f"{layer}.ffn", cfg, x))
+            x = _norm(w, f"{layer}.self_attn_norm", cfg, _add(cfg, x, attended))
+            x = _norm(w, f"{layer}.ffn_norm", cfg, _add(cfg, x, _ffn(w, f"{layer}.ffn", cfg, x)))
     return _norm(w, "encoder.final_norm", cfg, x) if cfg.norm_position == "pre" else x
 
 
@@ -145,16 +152,16 @@ def naive_seq2seq(cfg, weights, src, tgt, pad_id=0):
         layer = f"decoder.layers.{i}"
         if cfg.norm_position == "pre":
             h = _norm(w, f"{layer}.self_attn_norm", cfg, x)
-            x = x + _attention(w, f"{layer}.self_attn", cfg, h, h, causal, rope)
+            x = _add(cfg, x, _attention(w, f"{layer}.self_attn", cfg, h, h, causal, rope))
             h = _norm(w, f"{layer}.cross_attn_norm", cfg, x)
-            x = x + _attention(w, f"{layer}.cross_attn", cfg, h, memory, cross, False)
-            x = x + _ffn(w, f"{layer}.ffn", cfg, _norm(w, f"{layer}.ffn_norm", cfg, x))
+            x = _add(cfg, x, _attention(w, f"{layer}.cross_attn", cfg, h, memory, cross, False))
+            x = _add(cfg, x, _ffn(w, f"{layer}.ffn", cfg, _norm(w, f"{layer}.ffn_norm", cfg, x)))
         else:
             attended = _attention(w, f"{layer}.self_attn", cfg, x, x, causal, rope)
-            x = _norm(w, f"{layer}.self_attn_norm", cfg, x + attended)
+            x = _norm(w, f"{layer}.self_attn_norm", cfg, _add(cfg, x, attended))
             attended = _attention(w, f"{layer}.cross_attn", cfg, x, memory, cross, False)
-            x = _norm(w, f"{layer}.cross_attn_norm", cfg, x + attended)
-            x = _norm(w, f"{layer}.ffn_norm", cfg, x + _ffn(w, f"{layer}.ffn", cfg, x))
+            x = _norm(w, f"{layer}.cross_attn_norm", cfg, _add(cfg, x, attended))
+            x = _norm(w, f"{layer}.ffn_norm", cfg, _add(cfg, x, _ffn(w, f"{layer}.ffn", cfg, x)))
     if cfg.norm_position == "pre":
         x = _norm(w, "decoder.final_norm", cfg, x)
     return x @ w["output.weight"].T

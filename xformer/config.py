@@ -34,7 +34,7 @@ from xformer.strict import (
 Arch = Literal["seq2seq", "classifier", "lstm"]
 Positional = Literal["sinusoidal", "learned", "rope", "alibi", "relative", "none"]
 NormPosition = Literal["post", "pre"]
-Norm = Literal["layernorm", "rmsnorm"]
+Norm = Literal["layernorm", "rmsnorm", "none"]
 FFN = Literal["relu", "gelu", "swiglu", "geglu"]
 AttentionPattern = Literal["full", "sliding_window", "local_global", "strided", "topk", "low_rank"]
 AttentionBackend = Literal["sdpa", "explicit", "flex"]
@@ -79,7 +79,9 @@ class ModelConfig:
     positional: Positional = "sinusoidal"
     max_positions: int = 1024
     norm_position: NormPosition = "post"
-    norm: Norm = "layernorm"
+    norm: Norm = "layernorm"  # "none": no normalisation at all (an ablation)
+    # each sublayer's residual connection (He et al. 2016); false: its output replaces its input
+    residual: bool = field(default=True, metadata=only_when("arch", "seq2seq", "classifier"))
     norm_eps: float = 1e-5
     # relu, gelu (Vaswani et al. 2017), or a gated FFN, swiglu / geglu (Shazeer 2020), whose
     # d_ff is taken as given (2/3 of a plain FFN's d_ff gives it the same parameters)

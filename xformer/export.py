@@ -46,7 +46,7 @@ def marian_problems(recipe) -> list[str]:
     m = recipe.model
     wanted = {"arch": "seq2seq", "positional": "sinusoidal", "norm": "layernorm", "norm_position": "post",
               "attention": "full", "tie_embeddings": "all", "memory_tokens": 0, "downsample_every": 0,
-              "scale_embeddings": True}
+              "scale_embeddings": True, "residual": True}
     out = [f"model.{k}: Marian has {v!r}, found {getattr(m, k)!r}" for k, v in wanted.items()
            if getattr(m, k) != v and not (k == "downsample_every" and getattr(m, k) >= m.n_encoder_layers)]
     if m.arch == "seq2seq":
@@ -205,7 +205,9 @@ def _marian_tensors(model, order: torch.Tensor) -> dict[str, torch.Tensor]:
     def attention(prefix, module):
         for proj in ("q_proj", "k_proj", "v_proj"):
             linear = getattr(module, proj)
-            out[f"{prefix}.{proj}.weight"], out[f"{prefix}.{proj}.bias"] = cols(linear.weight), linear.bias.detach()
+            # cloned: with model.qkv = "shared" the three are one tensor, and a file holds each once
+            out[f"{prefix}.{proj}.weight"] = cols(linear.weight)
+            out[f"{prefix}.{proj}.bias"] = linear.bias.detach().clone()
         out[f"{prefix}.out_proj.weight"], out[f"{prefix}.out_proj.bias"] = rows(module.out_proj.weight), \
             rows(module.out_proj.bias)
 

@@ -47,7 +47,7 @@ def build_model(
         activation_dropout=cfg.activation_dropout, head_dropout=cfg.head_dropout,
         ffn=cfg.ffn, norm=cfg.norm,
         norm_eps=cfg.norm_eps, norm_position=cfg.norm_position, backend=cfg.attention_backend,
-        memory_tokens=cfg.memory_tokens,
+        memory_tokens=cfg.memory_tokens, residual=cfg.residual,
     )
 
     def final_norm():

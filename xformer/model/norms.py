@@ -13,4 +13,9 @@ def rms_norm(d_model: int, eps: float) -> nn.Module:
     return nn.RMSNorm(d_model, eps=eps)
 
 
-NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm}
+def no_norm(d_model: int, eps: float) -> nn.Module:
+    """No normalisation (model.norm = "none"): what LayerNorm's speed-up is measured against."""
+    return nn.Identity()
+
+
+NORMS = {"layernorm": layer_norm, "rmsnorm": rms_norm, "none": no_norm}

@@ -34,10 +34,11 @@ class EncoderLayer(nn.Module):
         self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
         dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
         head_dropout: float = 0.0, ffn: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
-        norm_position: str = "post", backend: str = "sdpa", memory_tokens: int = 0,
+        norm_position: str = "post", backend: str = "sdpa", memory_tokens: int = 0, residual: bool = True,
     ):
         super().__init__()
         self.norm_position = norm_position
+        self.residual = residual  # False: each sublayer's output replaces its input (no skip connection)
         self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
                                             head_dropout=head_dropout, memory_tokens=memory_tokens)
         self.self_attn_norm = NORMS[norm](d_model, norm_eps)
@@ -53,14 +54,21 @@ class EncoderLayer(nn.Module):
             h = self.self_attn_norm(x)
             if rows is not None:
                 x, h, memory = _rows(x, rows), _rows(h, rows), h
-            x = x + self.drop(self.self_attn(h, memory=None if rows is None else memory, mask=mask)[0])
-            x = x + self.drop(self.ffn(self.ffn_norm(x)))
+            x = skip(x, self.drop(self.self_attn(h, memory=None if rows is None else memory, mask=mask)[0]),
+                     self.residual)
+            x = skip(x, self.drop(self.ffn(self.ffn_norm(x))), self.residual)
         else:  # post-LN, Vaswani et al. 2017
             queries = x if rows is None else _rows(x, rows)
             attended = self.self_attn(queries, memory=None if rows is None else x, mask=mask)[0]
-            x = self.self_attn_norm(queries + self.drop(attended))
-            x = self.ffn_norm(x + self.drop(self.ffn(x)))
+            x = self.self_attn_norm(skip(queries, self.drop(attended), self.residual))
+            x = self.ffn_norm(skip(x, self.drop(self.ffn(x)), self.residual))
         return x
+
+
+def skip(x: Tensor, branch: Tensor, residual: bool) -> Tensor:
+    """A sublayer's output with its residual connection (He et al. 2016, arXiv:1512.03385), or
+    alone when `residual` is off (model.residual = false)."""
+    return x + branch if residual else branch
 
 
 def _rows(x: Tensor, rows: Tensor) -> Tensor:
@@ -75,10 +83,11 @@ class DecoderLayer(nn.Module):
         self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
         dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
         head_dropout: float = 0.0, ffn: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
-        norm_position: str = "post", backend: str = "sdpa", memory_tokens: int = 0,
+        norm_position: str = "post", backend: str = "sdpa", memory_tokens: int = 0, residual: bool = True,
     ):
         super().__init__()
         self.norm_position = norm_position
+        self.residual = residual  # False: each sublayer's output replaces its input (no skip connection)
         self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
                                             head_dropout=head_dropout, memory_tokens=memory_tokens)
         self.self_attn_norm = NORMS[norm](d_model, norm_eps)
@@ -101,14 +110,15 @@ class DecoderLayer(nn.Module):
         def cross_attn(h):
             return self.cross_attn(h, memory, mask=memory_mask, cache=cross_cache)[0]
 
+        on = self.residual
         if self.norm_position == "pre":
-            x = x + self.drop(self_attn(self.self_attn_norm(x)))
-            x = x + self.drop(cross_attn(self.cross_attn_norm(x)))
-            x = x + self.drop(self.ffn(self.ffn_norm(x)))
+            x = skip(x, self.drop(self_attn(self.self_attn_norm(x))), on)
+            x = skip(x, self.drop(cross_attn(self.cross_attn_norm(x))), on)
+            x = skip(x, self.drop(self.ffn(self.ffn_norm(x))), on)
         else:  # post-LN, Vaswani et al. 2017
-            x = self.self_attn_norm(x + self.drop(self_attn(x)))
-            x = self.cross_attn_norm(x + self.drop(cross_attn(x)))
-            x = self.ffn_norm(x + self.drop(self.ffn(x)))
+            x = self.self_attn_norm(skip(x, self.drop(self_attn(x)), on))
+            x = self.cross_attn_norm(skip(x, self.drop(cross_attn(x)), on))
+            x = self.ffn_norm(skip(x, self.drop(self.ffn(x)), on))
         return x
 
 
