@@ -97,7 +97,7 @@ class ModelConfig:
     stride: int = field(default=32, metadata=only_when("attention", "strided"))
     topk: int = field(default=32, metadata=only_when("attention", "topk"))
     # low_rank (Linformer, Wang et al. 2020): keys and values projected along the sequence to
-    # `rank` learned mixtures; encoders and classifiers only
+    # `rank` learned mixtures; the encoder's self-attention only (a seq2seq decoder's stays full)
     rank: int = field(default=64, metadata=only_when("attention", "low_rank"))
     # learned key/value slots every self-attention query may attend to, ahead of the sequence's
     # keys (memory-augmented attention; x-transformers' num_mem_kv); 0: none
@@ -186,9 +186,6 @@ class ModelConfig:
                        "set it to 0 or use model.attention_backend = 'sdpa'")
         if self.attention == "low_rank":
             out += positive(self, "rank")
-            if self.arch == "seq2seq":
-                out.append("model.attention: 'low_rank' mixes keys along the sequence, which a causal decoder "
-                           "cannot do (a query would see the future); use it with model.arch = 'classifier'")
             if self.positional in ("alibi", "relative"):
                 out.append(f"model.positional: {self.positional!r} biases scores by key position, and a "
                            "low_rank key is a mixture of positions; use sinusoidal, learned, rope or none")

@@ -107,7 +107,10 @@ def build_model(
             tgt_embedding = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=pad_id)
         decoder_layers = [DecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
                           for _ in range(cfg.n_decoder_layers)]
-        decoder = wire(Decoder(embedder(tgt_embedding, positional(False)), decoder_layers, final_norm(), pattern))
+        # low_rank mixes keys along the sequence, which a causal decoder cannot do (a query would see
+        # the future): in a seq2seq model it is the encoder's self-attention, the decoder's is full
+        own = make_pattern("full") if pattern.PROJECTS_KEYS else pattern
+        decoder = wire(Decoder(embedder(tgt_embedding, positional(False)), decoder_layers, final_norm(), own))
         output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
         if cfg.tie_embeddings != "none":
             output.weight = tgt_embedding.weight  # Press & Wolf 2017, arXiv:1608.05859
