@@ -6,17 +6,18 @@ import math
 import torch
 
 
-def naive_attention(q, k, v, allowed=None):
-    """q: (B, H, T, Dh); k, v: (B, K, S, Dh); allowed: (B, T, S) bool or None.
+def naive_attention(q, k, v, allowed=None, table=None):
+    """q: (B, H, T, Dh); k, v: (B, K, S, Dh); allowed: (B, T, S) bool or None; table: (H, T, S)
+    scores that replace q.k / sqrt(Dh) (Synthesizer's random attention), or None.
     Query head h uses kv head h // (H // K). Returns (B, H, T, Dh), probabilities (B, H, T, S)."""
     b, h, t, dh = q.shape
     kv = k.shape[1]
     out = torch.zeros_like(q)
-    probs = torch.zeros(b, h, t, k.shape[2], dtype=q.dtype)
+    probs = torch.zeros(b, h, t, v.shape[2], dtype=q.dtype)
     for bi in range(b):
         for hi in range(h):
             g = hi // (h // kv)
-            scores = q[bi, hi] @ k[bi, g].T / math.sqrt(dh)  # (T, S)
+            scores = q[bi, hi] @ k[bi, g].T / math.sqrt(dh) if table is None else table[hi]  # (T, S)
             if allowed is not None:
                 scores = scores.masked_fill(~allowed[bi], float("-inf"))
             p = torch.softmax(scores, dim=-1)
@@ -77,9 +78,13 @@ def _attention(w, name, cfg, x, source, allowed, rotate):
     def heads(y, n):  # (B, L, n * Dh) -> (B, n, L, Dh)
         return y.reshape(b, y.shape[1], n, dh).transpose(1, 2)
 
+    v = heads(_linear(w, f"{name}.v_proj", source), cfg.kv_heads)
+    if f"{name}.score_bias.table" in w:  # Synthesizer: learned scores of positions, no q or k
+        table = w[f"{name}.score_bias.table"][:, :t, : source.shape[1]]
+        out, _ = naive_attention(torch.zeros(b, cfg.n_heads, t, dh, dtype=x.dtype), v, v, allowed, table)
+        return _linear(w, f"{name}.out_proj", out.transpose(1, 2).reshape(b, t, d))
     q = heads(_linear(w, f"{name}.q_proj", x), cfg.n_heads)
     k = heads(_linear(w, f"{name}.k_proj", source), cfg.kv_heads)
-    v = heads(_linear(w, f"{name}.v_proj", source), cfg.kv_heads)
     if rotate:
         q, k = naive_rotate(q), naive_rotate(k)
     out, _ = naive_attention(q, k, v, allowed)

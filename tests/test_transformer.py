@@ -43,11 +43,15 @@ VARIANTS = {
     "no-norm-no-residual": {"norm": "none", "residual": False},
     "pre-ln-no-residual": {"norm_position": "pre", "residual": False, "qkv": "shared"},
     "no-norm-pre-ln": {"norm": "none", "norm_position": "pre"},
+    "synthesizer": {"attention": "synthesizer", "max_positions": 16},
+    "synthesizer-pre-ln-gqa": {"attention": "synthesizer", "max_positions": 16, "norm_position": "pre",
+                               "n_kv_heads": 2},
 }
 # torch.nn.Transformer takes its input already embedded, so any absolute position encoding fits;
 # it always has its norms and residual connections.
 TORCH_EXPRESSIBLE = [name for name, overrides in VARIANTS.items() if overrides.get("positional") != "rope"
-                     and overrides.get("norm") != "none" and overrides.get("residual", True)]
+                     and overrides.get("norm") != "none" and overrides.get("residual", True)
+                     and overrides.get("attention") != "synthesizer"]
 
 
 def tiny(**overrides) -> ModelConfig:

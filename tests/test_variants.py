@@ -157,7 +157,8 @@ def test_a_zero_score_bias_is_no_positions_at_all(positional):
 # low_rank is the encoder's self-attention (a seq2seq decoder's stays full), and its keys are
 # mixtures of positions, which a bias by key position (alibi, relative) cannot address
 AXES = [(p, a) for p in typing.get_args(config.Positional) for a in typing.get_args(config.AttentionPattern)
-        if not (a == "low_rank" and p in ("alibi", "relative"))]
+        if not (a == "low_rank" and p in ("alibi", "relative"))
+        and not (a == "synthesizer" and p in ("alibi", "relative", "rope"))]  # its scores are its own table
 CLASSIFIER_AXES = AXES
 
 
@@ -300,7 +301,8 @@ def test_a_pooled_classifier_reads_what_the_full_encoder_computes(positional, at
             states = model.encoder(tokens, pad)[torch.arange(2), last]
     torch.testing.assert_close(got, model.head(states), atol=1e-6, rtol=1e-5)
     # the fast path is taken wherever a query's scores depend only on which keys it sees
-    takes_rows = positional not in ("rope", "alibi", "relative") and attention not in ("topk", "low_rank")
+    takes_rows = positional not in ("rope", "alibi", "relative") and attention not in ("topk", "low_rank",
+                                                                                    "synthesizer")
     assert model.encoder.computes_rows() == takes_rows
 
 
@@ -408,3 +410,17 @@ def test_a_low_rank_seq2seq_projects_the_encoder_keys_and_decodes_with_full_atte
     decoder = [layer.self_attn.key_projection for layer in model.decoder.layers]
     assert all(p is not None for p in encoder) and decoder == [None] * len(decoder)
     assert model.decoder.pattern.__class__.__name__ == "Full"
+
+
+def test_synthesizer_weights_are_a_table_of_positions_that_no_input_changes():
+    """Tay et al.'s random Synthesizer: softmax(R) over the visible keys, whatever the tokens;
+    the values (and so the outputs) still follow the input."""
+    model = build_model(tiny(attention="synthesizer", max_positions=12), V).eval()
+    attn = model.encoder.layers[0].self_attn
+    assert attn.q_proj is None and attn.k_proj is None and attn.score_bias.table.shape == (4, 12, 12)
+    x, y = torch.randn(2, 6, 16), torch.randn(2, 6, 16)
+    with torch.no_grad():
+        (out_x, probs_x), (out_y, probs_y) = attn(x, need_weights=True), attn(y, need_weights=True)
+    torch.testing.assert_close(probs_x, probs_y, atol=0, rtol=0)
+    torch.testing.assert_close(probs_x[0], torch.softmax(attn.score_bias.table[:, :6, :6], -1), atol=1e-6, rtol=0)
+    assert not torch.allclose(out_x, out_y)

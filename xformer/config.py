@@ -36,7 +36,7 @@ Positional = Literal["sinusoidal", "learned", "rope", "alibi", "relative", "none
 NormPosition = Literal["post", "pre"]
 Norm = Literal["layernorm", "rmsnorm", "none"]
 FFN = Literal["relu", "gelu", "swiglu", "geglu"]
-AttentionPattern = Literal["full", "sliding_window", "local_global", "strided", "topk", "low_rank"]
+AttentionPattern = Literal["full", "sliding_window", "local_global", "strided", "topk", "low_rank", "synthesizer"]
 AttentionBackend = Literal["sdpa", "explicit", "flex"]
 Downsample = Literal["pool", "conv"]
 QKV = Literal["separate", "shared"]
@@ -90,7 +90,8 @@ class ModelConfig:
     # local_global (a window plus the first global_tokens positions, seen by and seeing all);
     # strided (|q - k| < stride or a multiple of stride, Child et al. 2019); topk (the topk
     # largest scores per query; always computed on the explicit path, whatever the backend);
-    # low_rank (below)
+    # low_rank (below); synthesizer (Tay et al. 2020's random Synthesizer: a learned table of
+    # scores per head over (query, key) positions, max_positions squared, instead of q.k)
     attention: AttentionPattern = field(default="full", metadata=only_when("arch", "seq2seq", "classifier"))
     window: int = field(default=128, metadata=only_when("attention", "sliding_window", "local_global"))
     global_tokens: int = field(default=1, metadata=only_when("attention", "local_global"))
@@ -189,6 +190,13 @@ class ModelConfig:
             if self.positional in ("alibi", "relative"):
                 out.append(f"model.positional: {self.positional!r} biases scores by key position, and a "
                            "low_rank key is a mixture of positions; use sinusoidal, learned, rope or none")
+        if self.attention == "synthesizer":
+            # its scores are a table of positions in the attention's score_bias, with no q or k
+            clash = {"positional": self.positional in ("alibi", "relative", "rope"), "qkv": self.qkv == "shared",
+                     "memory_tokens": self.memory_tokens > 0, "attention_backend": self.attention_backend == "flex",
+                     "pruned_heads": bool(self.pruned_heads)}
+            out += [f"model.{key}: model.attention = 'synthesizer' scores positions from its own table, without "
+                    f"queries or keys; found model.{key} = {getattr(self, key)!r}" for key, bad in clash.items() if bad]
         if self.positional == "rope" and self.n_heads > 0 and self.d_model % self.n_heads == 0 and self.head_dim % 2:
             out.append(
                 f"model.d_model: rotary positions need an even head dimension (d_model / n_heads), "

@@ -113,6 +113,10 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
         raise RunError(f"{run_dir}: model.attention = 'low_rank': its heads attend to learned mixtures of the "
                        "tokens, not to tokens, so head roles and maps over them mean nothing; inspect-heads "
                        "analyses models that attend to tokens")
+    if recipe.model.arch != "lstm" and recipe.model.attention == "synthesizer":
+        raise RunError(f"{run_dir}: model.attention = 'synthesizer': its self-attention heads are learned tables "
+                       "of positions that no input changes, with no queries or keys to gate or prune; "
+                       "inspect-heads analyses dot-product attention")
     if recipe.model.arch != "lstm" and recipe.model.downsample_every and \
             recipe.model.downsample_every < recipe.model.n_encoder_layers:
         raise RunError(f"{run_dir}: model.downsample_every = {recipe.model.downsample_every}: the encoder's later "

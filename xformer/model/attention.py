@@ -166,14 +166,20 @@ class MultiHeadAttention(nn.Module):
         Returns (B, T, D) and, with need_weights (explicit path), probabilities (B, H, T, S).
         """
         b, t, _ = x.shape
-        q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
+        if self.q_proj is None:  # content-free scores (synthesizer): q.k is zero, the score_bias is all
+            q = x.new_zeros(b, self.n_heads, t, self.head_dim)
+        else:
+            q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
         past = 0 if cache is None or memory is not None else cache.length  # positions of new tokens start here
         if memory is not None and cache is not None and cache.k is not None:
             k, v = cache.k, cache.v  # cross-attention: encoder keys computed at the first step
         else:
             source = x if memory is None else memory
             s = source.size(1)
-            k = self.k_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, Dh)
+            if self.k_proj is None:
+                k = source.new_zeros(b, self.n_kv_heads, s, self.head_dim)
+            else:
+                k = self.k_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, Dh)
             v = self.v_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
             if self.rotary is not None and memory is None:
                 q, k = self.rotary.rotate(q, past), self.rotary.rotate(k, past)
@@ -350,10 +356,11 @@ class MultiHeadAttention(nn.Module):
         the packed in-projection gives when q, k and v have the same size), out_proj
         Xavier-uniform, biases zero; memory slots N(0, 1), as x-transformers draws them."""
         for proj in (self.q_proj, self.k_proj, self.v_proj):
-            nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
+            if proj is not None:  # a content-free attention has no q and k projections
+                nn.init.xavier_uniform_(proj.weight, gain=1 / math.sqrt(2))
         nn.init.xavier_uniform_(self.out_proj.weight)
         for proj in (self.q_proj, self.k_proj, self.v_proj, self.out_proj):
-            if proj.bias is not None:
+            if proj is not None and proj.bias is not None:
                 nn.init.zeros_(proj.bias)
         if self.mem_k is not None:
             nn.init.normal_(self.mem_k)

@@ -15,6 +15,7 @@ from xformer.model.lstm import LSTMClassifier, match_hidden
 from xformer.model.norms import NORMS
 from xformer.model.patterns import make_pattern
 from xformer.model.positional import POSITIONAL
+from xformer.model.synthesizer import SynthesizerScores
 from xformer.model.transformer import (
     Classifier,
     Decoder,
@@ -80,6 +81,9 @@ def build_model(
             layer.self_attn.score_hook = pattern.score_hook
             if pattern.PROJECTS_KEYS:  # each layer its own E and F
                 layer.self_attn.key_projection = LowRankProjection(cfg.rank, cfg.max_positions)
+            if pattern.CONTENT_FREE:  # each layer its own table of scores, and no q.k to compute
+                layer.self_attn.score_bias = SynthesizerScores(cfg.n_heads, cfg.max_positions)
+                layer.self_attn.q_proj = layer.self_attn.k_proj = None
         return stack
 
     pattern = make_pattern(cfg.attention, window=cfg.window, global_tokens=cfg.global_tokens, stride=cfg.stride,

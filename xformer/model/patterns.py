@@ -18,7 +18,11 @@ attention a `score_hook`, which only the explicit path runs (MultiHeadAttention 
     topk            the `topk` largest scores of each query (Zhao et al. 2019, explicit sparse
                     attention, arXiv:1912.11637), the rest set to -inf before the softmax
     low_rank        `rank` learned mixtures of the keys and values (Linformer, Wang et al. 2020,
-                    arXiv:2006.04768; model/lowrank.py); encoders only
+                    arXiv:2006.04768; model/lowrank.py); encoders only (a seq2seq decoder
+                    keeps full attention)
+    synthesizer     every key, scored by a learned table of (query, key) positions instead of
+                    q.k (Synthesizer's random attention, Tay et al. 2020, arXiv:2005.00743;
+                    model/synthesizer.py)
 
 QUERY_DEPENDENT says whether a query's visible keys depend on where the query is (so the
 pattern needs a mask); fast paths that compute a subset of query rows (the classifier's pooled
@@ -39,6 +43,7 @@ from xformer.model.banded import banded_attention, strided_attention
 class Full:
     QUERY_DEPENDENT = False
     PROJECTS_KEYS = False  # whether attention sees projections of the keys instead of the keys (low_rank)
+    CONTENT_FREE = False  # whether the scores ignore q.k (a learned table of positions: synthesizer)
     score_hook: Callable[[Tensor], Tensor] | None = None
     global_tokens = 0  # leading positions every query sees and that see every key
 
@@ -141,6 +146,13 @@ class LowRank(Full):
         return self.rank
 
 
+class Synthesized(Full):
+    """Every key is visible; the scores are a learned table of positions instead of q.k
+    (Synthesizer's random attention, model/synthesizer.py)."""
+
+    CONTENT_FREE = True
+
+
 def make_pattern(name: str, *, window: int = 0, global_tokens: int = 0, stride: int = 0, topk: int = 0,
                  rank: int = 0) -> Full:
     """The pattern object of `model.attention` = name with its parameters."""
@@ -155,6 +167,7 @@ PATTERNS = {
     "strided": lambda stride, **_: Strided(stride),
     "topk": lambda topk, **_: TopK(topk),
     "low_rank": lambda rank, **_: LowRank(rank),
+    "synthesizer": lambda **_: Synthesized(),
 }
 
 
