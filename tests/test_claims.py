@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from tests.test_experiment import recall_spec
 from xformer.claims import Check, judge, verdict
 from xformer.ledger import ledger_problems
 from xformer_cli.main import app
@@ -81,19 +82,7 @@ def test_a_claim_depends_when_its_parts_disagree():
     assert verdict([up, judge(Check("a", "better", percent=50), data)]) == "depends"
 
 
-SPEC = """# Claim: deeper is better
-[experiment]
-recipe = {recipe}
-seeds = [1, 2]
-baseline = "two"
-max_steps = 4
-set = ["data.n_train=64", "data.n_valid=32", "data.n_test=48", "data.max_len=32", "data.curriculum_lengths=[]",
-       "data.curriculum_steps=[]", "train.valid_every=2", "model.d_model=16", "model.d_ff=32", "model.n_heads=2"]
-
-[experiment.cells]
-one = ["model.n_encoder_layers=1"]
-two = []
-
+SPEC = "# Claim: deeper is better\n" + recall_spec([1, 2]) + """
 [claim]
 number = 3
 says = "Two layers beat one."
@@ -118,8 +107,7 @@ def ledger(tmp_path_factory):
     folder = tmp_path_factory.mktemp("claims")
     specs = folder / "specs"
     specs.mkdir()
-    recipe = json.dumps(str(ROOT / "recipes" / "longrange" / "recall_transformer.toml"))
-    (specs / "depth.toml").write_text(SPEC.format(recipe=recipe))
+    (specs / "depth.toml").write_text(SPEC)
     (specs / "blocked.toml").write_text(BLOCKED)
     trained = runner.invoke(app, ["experiment", str(specs / "depth.toml"), "--out", str(folder / "runs" / "depth"),
                                   "--device", "cpu"])
@@ -177,8 +165,7 @@ def test_the_ledger_regenerates_from_its_records_when_the_runs_are_gone(ledger, 
 def test_a_bad_claim_is_one_line_naming_the_file_and_field(tmp_path, change, words):
     specs = tmp_path / "specs"
     specs.mkdir()
-    recipe = json.dumps(str(ROOT / "recipes" / "longrange" / "recall_transformer.toml"))
-    (specs / "bad.toml").write_text(SPEC.format(recipe=recipe).replace(*change))
+    (specs / "bad.toml").write_text(SPEC.replace(*change))
     result = runner.invoke(app, ["claims", str(specs), "--runs", str(tmp_path / "runs"), "--out",
                                  str(tmp_path / "claims.md")])
     assert result.exit_code == 2 and words in result.stderr and "Traceback" not in result.output, result.stderr

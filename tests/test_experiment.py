@@ -3,6 +3,7 @@ cell; a rerun keeps what is done and trains what is missing."""
 
 import json
 import statistics
+from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
@@ -23,6 +24,23 @@ set = ["train.valid_every=3", "train.average_last=0"]
 heads_1 = ["model.n_heads=1"]
 heads_2 = []
 '''
+
+
+def recall_spec(seeds: list[int]) -> str:
+    """A tiny recall experiment: one encoder layer against two, 4 steps a run."""
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "longrange" / "recall_transformer.toml"
+    return f"""[experiment]
+recipe = {json.dumps(str(recipe))}
+seeds = {seeds}
+baseline = "two"
+max_steps = 4
+set = ["data.n_train=64", "data.n_valid=32", "data.n_test=48", "data.max_len=32", "data.curriculum_lengths=[]",
+       "data.curriculum_steps=[]", "train.valid_every=2", "model.d_model=16", "model.d_ff=32", "model.n_heads=2"]
+
+[experiment.cells]
+one = ["model.n_encoder_layers=1"]
+two = []
+"""
 
 
 def sets(corpus) -> list[str]:
@@ -107,21 +125,8 @@ def test_a_recipe_where_an_experiment_belongs_is_named(tmp_path):
 def test_a_classification_experiment_pairs_its_runs_by_mcnemar(tmp_path):
     """A generated task (recall): accuracy per cell, and McNemar's test of each seed's run
     against the baseline's on the same test examples."""
-    from tests.test_longrange import ROOT
-
     spec = tmp_path / "depth.toml"
-    spec.write_text(f"""[experiment]
-recipe = {json.dumps(str(ROOT / "recipes" / "longrange" / "recall_transformer.toml"))}
-seeds = [1]
-baseline = "two"
-max_steps = 4
-set = ["data.n_train=64", "data.n_valid=32", "data.n_test=48", "data.max_len=32", "data.curriculum_lengths=[]",
-       "data.curriculum_steps=[]", "train.valid_every=2", "model.d_model=16", "model.d_ff=32", "model.n_heads=2"]
-
-[experiment.cells]
-one = ["model.n_encoder_layers=1"]
-two = []
-""")
+    spec.write_text(recall_spec([1]))
     result = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "out"), "--device", "cpu", "--json"])
     assert result.exit_code == 0, result.output
     report = json.loads(result.stdout.strip().splitlines()[-1])
