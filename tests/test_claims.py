@@ -45,6 +45,12 @@ BASE = [10.0, 12.0]  # mean 11: 1% is 0.11, 15% is 1.65
     ([9.0, 11.5], [0.01, 0.04], Check("x", "better"), "contradicted"),
     # ... the seeds disagree
     ([10.5, 11.0], [0.03, 0.03], Check("x", "better"), "inconclusive"),
+    # better by 0.5 to 1% (0.055 to 0.11): +1 in both seeds is far more than claimed
+    ([11.0, 13.0], [0.01, 0.02], Check("x", "better", percent=0.5, up_to=1), "contradicted"),
+    # ... by 5 to 10% (0.55 to 1.1): +1 is inside
+    ([11.0, 13.0], [0.01, 0.02], Check("x", "better", percent=5, up_to=10), "supported"),
+    # ... +0.5 and +1.5 (mean 1.0 inside, one seed beyond): inside on average
+    ([10.5, 13.5], [0.01, 0.02], Check("x", "better", points=0.5, up_to=1.2), "supported"),
     # worse by at least 1 point: -1.5 and -2.0
     ([8.5, 10.0], [0.001, 0.001], Check("x", "worse", points=1), "supported"),
     # not_better: level once, up once but not significantly (mean above zero)
@@ -161,6 +167,8 @@ def test_the_ledger_regenerates_from_its_records_when_the_runs_are_gone(ledger, 
     (('cell = "one"', 'cell = "two"'), "compares 'two' with itself"),
     (("number = 3", "number = 0"), "claim.number: expected the claim's positive number"),
     (('expect = "worse"', 'expect = "wrose"'), "claim.checks[0].expect: expected one of"),
+    (('expect = "worse"', 'expect = "worse"\nup_to = 3'), "claim.checks[0].up_to: the upper end of a claimed gap"),
+    (('expect = "worse"', 'expect = "worse"\npoints = 2\nup_to = 1'), "claim.checks[0].up_to: expected at least"),
 ])
 def test_a_bad_claim_is_one_line_naming_the_file_and_field(tmp_path, change, words):
     specs = tmp_path / "specs"

@@ -19,10 +19,11 @@ A check is judged on the per-seed differences d_i = cell - than on the test metr
 `than` is the baseline, on each seed's paired test (sacreBLEU's bootstrap or McNemar):
 
     better / worse   supported    every seed in the claimed direction, significant where tested,
-                                  and the mean at least the claimed margin
+                                  and the mean at least the claimed margin (and at most `up_to`)
                      contradicted every seed the other way, significant where tested; or every
                                   seed short of the claimed margin, and the mean short of it by
-                                  more than twice its standard error
+                                  more than twice its standard error; or every seed beyond
+                                  `up_to`, significant where tested (a larger gap than claimed)
     not_better       supported    no seed significantly better and the mean not above zero
                      contradicted every seed better, significant where tested
     not_worse        supported    every seed above `than` less the margin (a tolerated loss)
@@ -37,6 +38,7 @@ others contradicted (the ledger names which).
 
 from __future__ import annotations
 
+import math
 import statistics
 from dataclasses import dataclass
 from typing import Literal
@@ -54,6 +56,7 @@ class Check:
     than: str = ""  # "" is the experiment's baseline cell
     percent: float = 0.0  # the claimed margin (better / worse) or tolerance (same), in % of `than`
     points: float = 0.0  # the same in the metric's own units (BLEU points, accuracy points)
+    up_to: float = 0.0  # better / worse: the claimed gap's upper end, in the unit of percent or points; 0: none
 
 
 @dataclass
@@ -127,6 +130,12 @@ def _check_problems(check: Check, cells: list[str], name: str) -> list[str]:
         out.append(f"{name}.percent: 'same' needs a tolerance (percent or points)")
     if check.expect == "not_better" and (check.percent or check.points):
         out.append(f"{name}: 'not_better' takes no margin")
+    if check.up_to:
+        if check.expect not in ("better", "worse") or not (check.percent or check.points):
+            out.append(f"{name}.up_to: the upper end of a claimed gap: for 'better' or 'worse' with percent or points")
+        elif check.up_to < (check.percent or check.points):
+            out.append(f"{name}.up_to: expected at least the margin {check.percent or check.points:g}, "
+                       f"found {check.up_to:g}")
     return out
 
 
@@ -138,7 +147,8 @@ def judge(check: Check, results: dict) -> Outcome:
     diffs = [scores[(check.cell, s)] - scores[(than, s)] for s in seeds]
     base = statistics.fmean(scores[(than, s)] for s in seeds)
     margin = check.points or base * check.percent / 100
-    claimed = f"{check.percent:g}%" if check.percent else f"{check.points:g}"
+    upper = (base * check.up_to / 100 if check.percent else check.up_to) if check.up_to else math.inf
+    claimed = claimed_gap(check)
     p_values = _p_values(results, check.cell) if than == results["baseline"] else None
     tested = (f" (paired p {', '.join(f'{p:.3f}' for p in p_values)})" if p_values is not None
               else " (no paired test: neither cell is the baseline)" if than != results["baseline"] else "")
@@ -154,9 +164,11 @@ def judge(check: Check, results: dict) -> Outcome:
         sign = 1 if check.expect == "better" else -1
         toward = [sign * d for d in diffs]
         other = "worse" if check.expect == "better" else "better"
-        if all(t > 0 for t in toward) and significant and sign * mean >= margin:
-            return out("supported", f"{check.expect} in every seed" + (f", by {claimed} or more on average"
-                                                                       if margin else ""))
+        if all(t > 0 for t in toward) and significant and margin <= sign * mean <= upper:
+            return out("supported", f"{check.expect} in every seed" + (f", by {claimed} on average" if margin
+                                                                       else ""))
+        if all(t > upper for t in toward) and significant:
+            return out("contradicted", f"{check.expect} in every seed, but by more than the claimed {claimed}")
         if all(t < 0 for t in toward) and significant:
             return out("contradicted", f"{other} in every seed, not {check.expect}")
         if margin and all(t < margin for t in toward) and sign * mean + 2 * _stderr(diffs) < margin:
@@ -184,6 +196,22 @@ def judge(check: Check, results: dict) -> Outcome:
     if significant and (all(d < -margin for d in diffs) or all(d > margin for d in diffs)):
         return out("contradicted", f"more than {claimed} apart in every seed")
     return out("inconclusive", f"not within {claimed} in every seed, nor consistently outside it")
+
+
+def claimed_gap(check: Check) -> str:
+    """The check's margin in words: "0.5%", "1", "15% to 20%"; "0" without one."""
+    unit = "%" if check.percent else ""
+    text = f"{check.percent or check.points:g}{unit}"
+    return text + (f" to {check.up_to:g}{unit}" if check.up_to else "")
+
+
+def describe(check: Check, baseline: str) -> str:
+    """What the check says, e.g. "gelu better than relu by 0.5% to 1%"."""
+    words = f"{check.cell} {check.expect.replace('_', ' ')} than {check.than or baseline}"
+    if not (check.percent or check.points):
+        return words
+    how = {"same": "within", "not_worse": "allowing"}.get(check.expect, "by")
+    return f"{words} {how} {claimed_gap(check)}"
 
 
 def verdict(outcomes: list[Outcome]) -> str:

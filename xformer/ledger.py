@@ -18,7 +18,7 @@ import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
-from xformer.claims import Claim, claim_from_table, judge, verdict
+from xformer.claims import Claim, claim_from_table, describe, judge, verdict
 from xformer.errors import RecipeError, RunError
 from xformer.experiment import Experiment, load_experiment, markdown
 from xformer.files import atomic_write_text
@@ -124,8 +124,8 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
         return {**row, "verdict": "not measured yet"}
     outcomes = [judge(check, record["results"]) for check in experiment.checks]
     return {**row, "verdict": verdict(outcomes), "record": record,
-            "checks": [{"cell": o.check.cell, "expect": o.check.expect, "than": o.check.than or c.baseline,
-                        "verdict": o.verdict, "reason": o.reason} for o in outcomes]}
+            "checks": [{"check": describe(o.check, c.baseline), "verdict": o.verdict, "reason": o.reason}
+                       for o in outcomes]}
 
 
 def _markdown(rows: list[dict]) -> str:
@@ -135,7 +135,12 @@ def _markdown(rows: list[dict]) -> str:
     for r in rows:
         lines += ["", f"## {r['name']}", "", f"> {r['says']}" + (f" ({r['source']})" if r["source"] else ""),
                   "", f"Claim {r['number']} of the list.", ""]
-        lines.append(f"**Verdict: {r['verdict']}.**" + (f" Scale: {r['scale']}" if r["scale"] else ""))
+        on = ""
+        if r["verdict"] == "depends":  # on which part of the claim
+            parts = {v: "; ".join(c["check"] for c in r["checks"] if c["verdict"] == v)
+                     for v in ("supported", "contradicted")}
+            on = f" Supported: {parts['supported']}. Contradicted: {parts['contradicted']}."
+        lines.append(f"**Verdict: {r['verdict']}.**{on}" + (f" Scale: {r['scale']}" if r["scale"] else ""))
         if "blocked" in r:
             lines += ["", f"Not measurable yet: {r['blocked']}"]
             continue
@@ -152,8 +157,7 @@ def _markdown(rows: list[dict]) -> str:
                       f"{hw['precision']}, torch {hw['torch']}), {rec['train_minutes']:g} minutes of training "
                       "in all.", "", markdown(ExperimentResult(**rec["results"])).rstrip()]
         lines += ["", "Checks:", ""]
-        lines += [f"- {c['cell']} {c['expect'].replace('_', ' ')} than {c['than']}: **{c['verdict']}** "
-                  f"({c['reason']})" for c in r["checks"]]
+        lines += [f"- {c['check']}: **{c['verdict']}** ({c['reason']})" for c in r["checks"]]
     return "\n".join(lines) + "\n"
 
 
