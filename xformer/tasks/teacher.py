@@ -1,4 +1,5 @@
-"""The teacher of a distilled translation run ([distill], xformer/config.py): its model, and the
+"""The teacher of a distilled translation run ([distill], xformer/config.py): opening it (its
+tokenizer must be the student's, and is copied into the student's run), its model, and the
 corpus of its translations that sequence-level distillation trains on.
 
 Sequence-level KD (Kim & Rush 2016, arXiv:1606.07947): the teacher translates every training
@@ -21,11 +22,14 @@ from pathlib import Path
 
 import torch
 
+from xformer.checkpoint import read_checkpoint_meta, run_checkpoint
 from xformer.config import Recipe
 from xformer.data.tokenizer import Tokenizer
 from xformer.decode import translate_ids
+from xformer.errors import RecipeError, RunError
 from xformer.events import Event
-from xformer.files import atomic_write_text
+from xformer.files import atomic_write_bytes, atomic_write_text
+from xformer.rundir import tokenizer_digest, tokenizer_dir
 from xformer.runtime import Runtime
 
 
@@ -76,3 +80,38 @@ def distilled_corpus(teacher: Teacher, sources: list[str], tokenizer: Tokenizer,
                                     for s, h in zip(sources, hyps, strict=True)))
     atomic_write_text(about, json.dumps(made_from, indent=2))
     return path
+
+
+SHARED = ("source_lang", "target_lang", "tokenizer", "vocab_size", "joint_vocab", "character_coverage",
+          "byte_fallback")  # what a student must have as its teacher had it
+
+
+def open_teacher(recipe: Recipe, task, rt: Runtime) -> Teacher:
+    """The teacher named by the student recipe's [distill], frozen on the student's device;
+    `task` is the teacher's (a TranslationTask of its saved recipe). Refused unless it
+    translates the same languages with the tokenizer the student's [data] describes."""
+    run_dir, teacher_recipe = Path(recipe.distill.teacher), task.recipe
+    d = teacher_recipe.data
+    if d.task != "translation":
+        raise RecipeError(f"distill.teacher: {run_dir} is a {d.task} run; a teacher is a translation run")
+    differ = [f"distill.teacher: {run_dir} has data.{k} = {getattr(d, k)!r}, the student {getattr(recipe.data, k)!r}; "
+              "a student shares its teacher's tokenizer" for k in SHARED if getattr(d, k) != getattr(recipe.data, k)]
+    if differ:
+        raise RecipeError(differ)
+    model, teacher_rt = task.open_run(run_dir, recipe.distill.checkpoint, device=str(rt.device))
+    model.requires_grad_(False)
+    meta = read_checkpoint_meta(run_checkpoint(run_dir, recipe.distill.checkpoint))
+    return Teacher(run_dir, teacher_recipe, model, teacher_rt, recipe.distill.checkpoint, meta.get("sha256", ""))
+
+
+def share_tokenizer(teacher_dir: Path, run_dir: Path) -> None:
+    """Copy the teacher's tokenizer into the student's run; one already there must be it."""
+    mine, theirs = tokenizer_dir(run_dir), tokenizer_dir(teacher_dir)
+    if mine.is_dir() and any(mine.glob("*.model")):
+        if tokenizer_digest(run_dir) != tokenizer_digest(teacher_dir):
+            raise RunError(f"{mine}: not the teacher's tokenizer ({theirs}); a distilled student shares it "
+                           "(use another --out)")
+        return
+    for path in sorted(theirs.iterdir()):
+        if path.is_file():
+            atomic_write_bytes(mine / path.name, path.read_bytes())

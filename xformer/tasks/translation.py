@@ -19,20 +19,19 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from xformer.checkpoint import read_checkpoint_meta, run_checkpoint
 from xformer.config import DistillConfig, Recipe, TrainConfig
 from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from xformer.decode import translate_ids
 from xformer.engines import ctranslate2_ids, ctranslate2_meta
-from xformer.errors import DataError, RecipeError, RunError
+from xformer.errors import DataError, RunError
 from xformer.events import Event
-from xformer.files import atomic_write_bytes, atomic_write_text
+from xformer.files import atomic_write_text
 from xformer.losses import distillation_kl, rdrop_kl, sequence_loss
 from xformer.metrics import translation_scores
 from xformer.results import TranslationEval
-from xformer.rundir import eval_name, tokenizer_digest, tokenizer_dir
+from xformer.rundir import eval_name, tokenizer_dir
 from xformer.runtime import Runtime
 from xformer.tasks.base import (
     CorpusData,
@@ -44,7 +43,7 @@ from xformer.tasks.base import (
     mark_pad,
     site_space,
 )
-from xformer.tasks.teacher import Teacher, distilled_corpus
+from xformer.tasks.teacher import Teacher, distilled_corpus, open_teacher, share_tokenizer
 
 SETTINGS = "settings.json"  # the [data] values a tokenizer was trained with, next to it
 
@@ -135,7 +134,7 @@ class TranslationTask(Task):
 
     def use_teacher(self, teacher_recipe: Recipe, rt: Runtime) -> None:
         """Distil from the run [distill] names, whose saved recipe is `teacher_recipe`."""
-        self.teacher = open_teacher(self.recipe, teacher_recipe, rt)
+        self.teacher = open_teacher(self.recipe, TranslationTask(teacher_recipe), rt)
 
     # ------------------------------------------------------------ training
     def load(self, emit: Event) -> None:
@@ -420,39 +419,3 @@ def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> T
 def _counts(ids: list[list[int]], size: int) -> np.ndarray:
     flat = np.fromiter((t for seq in ids for t in seq), dtype=np.int64)
     return np.bincount(flat, minlength=size)
-
-
-# ---------------------------------------------------------------- distillation's teacher
-SHARED = ("source_lang", "target_lang", "tokenizer", "vocab_size", "joint_vocab", "character_coverage",
-          "byte_fallback")  # what a student must have as its teacher had it
-
-
-def open_teacher(recipe: Recipe, teacher_recipe: Recipe, rt: Runtime) -> Teacher:
-    """The teacher named by the student recipe's [distill] (`teacher_recipe`: its saved recipe),
-    frozen on the student's device; refused unless it translates the same languages with the
-    tokenizer the student's [data] describes."""
-    run_dir, d = Path(recipe.distill.teacher), teacher_recipe.data
-    if d.task != "translation":
-        raise RecipeError(f"distill.teacher: {run_dir} is a {d.task} run; a teacher is a translation run")
-    differ = [f"distill.teacher: {run_dir} has data.{k} = {getattr(d, k)!r}, the student {getattr(recipe.data, k)!r}; "
-              "a student shares its teacher's tokenizer" for k in SHARED if getattr(d, k) != getattr(recipe.data, k)]
-    if differ:
-        raise RecipeError(differ)
-    model, teacher_rt = TranslationTask(teacher_recipe).open_run(run_dir, recipe.distill.checkpoint,
-                                                                 device=str(rt.device))
-    model.requires_grad_(False)
-    meta = read_checkpoint_meta(run_checkpoint(run_dir, recipe.distill.checkpoint))
-    return Teacher(run_dir, teacher_recipe, model, teacher_rt, recipe.distill.checkpoint, meta.get("sha256", ""))
-
-
-def share_tokenizer(teacher_dir: Path, run_dir: Path) -> None:
-    """Copy the teacher's tokenizer into the student's run; one already there must be it."""
-    mine, theirs = tokenizer_dir(run_dir), tokenizer_dir(teacher_dir)
-    if mine.is_dir() and any(mine.glob("*.model")):
-        if tokenizer_digest(run_dir) != tokenizer_digest(teacher_dir):
-            raise RunError(f"{mine}: not the teacher's tokenizer ({theirs}); a distilled student shares it "
-                           "(use another --out)")
-        return
-    for path in sorted(theirs.iterdir()):
-        if path.is_file():
-            atomic_write_bytes(mine / path.name, path.read_bytes())
