@@ -41,8 +41,9 @@ best-on-validation checkpoint; cells are compared with the spec's baseline cell 
 (sacreBLEU's paired bootstrap for BLEU, McNemar's exact test for accuracy). A verdict is
 mechanical (the rule is in `xformer/claims.py`): *supported* when every seed goes the claimed
 way, significantly, by the claimed margin; *contradicted* when every seed goes the other way,
-significantly, or every seed falls short of the claimed margin; *depends* when a claim's parts
-disagree; *inconclusive* otherwise. Every verdict holds at the stated scale only: these are
+significantly, or every seed falls short of the claimed margin (or goes beyond a claimed upper
+end); *depends* when a claim's parts disagree, and the verdict says which; *inconclusive*
+otherwise. Every verdict holds at the stated scale only: these are
 Multi30k- and CPU-sized models, not WMT-sized ones.
 """
 
