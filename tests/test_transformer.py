@@ -15,13 +15,13 @@ from torch import nn
 from tests.reference import naive_classifier, naive_norm, naive_seq2seq, naive_sinusoid
 from xformer import config
 from xformer.config import ModelConfig
-from xformer.model.attention import QKV
 from xformer.model.build import build_model, count_parameters
 from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.feedforward import FFNS
 from xformer.model.norms import NORMS
 from xformer.model.patterns import PATTERNS
 from xformer.model.positional import POSITIONAL, RotaryPositional, SinusoidalPositional
+from xformer.model.qkv import QKV
 
 D, H, FF, V, PAD = 32, 4, 64, 13, 0
 

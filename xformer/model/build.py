@@ -8,13 +8,14 @@ import torch
 from torch import nn
 
 from xformer.config import ModelConfig
-from xformer.model.attention import QKV, MultiHeadAttention
+from xformer.model.attention import MultiHeadAttention
 from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.lowrank import LowRankProjection
 from xformer.model.lstm import LSTMClassifier, match_hidden
 from xformer.model.norms import NORMS
 from xformer.model.patterns import make_pattern
 from xformer.model.positional import POSITIONAL
+from xformer.model.qkv import QKV
 from xformer.model.synthesizer import SynthesizerScores
 from xformer.model.transformer import (
     Classifier,
