@@ -195,7 +195,7 @@ class TranslationTask(Task):
         src, tgt_in, tgt_out = (batch[k].to(rt.device, non_blocking=True) for k in ("src", "tgt_in", "tgt_out"))
         # On the CPU, project only real target positions (the largest matmul); on CUDA the
         # boolean index would cost a host sync per batch, so pad is masked instead.
-        word = self.teacher is not None and self.recipe.distill.kind == "word"
+        word = self.teacher is not None and self.recipe.distill.kind == "word" and self.recipe.distill.alpha > 0
         return translation_loss(model, src, tgt_in, tgt_out, rt, self.recipe.train, index_rows=rt.device.type == "cpu",
                                 teacher=self.teacher if word else None, distill=self.recipe.distill)
 
