@@ -22,6 +22,9 @@ def experiment(
     out: Annotated[Path | None, typer.Option("--out", help="Experiment directory [default: "
                                                            "runs/<spec name>].")] = None,
     overrides: SetOption = [],  # noqa: B006 - typer reads the default, never mutates it
+    reuse: Annotated[list[Path], typer.Option("--reuse", help="Folder of finished runs (searched at any depth, "
+                                                              "repeatable): a run whose resolved recipe is the "
+                                                              "same is copied in instead of trained again.")] = [],  # noqa: B006
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
@@ -39,6 +42,9 @@ def experiment(
         if kind == "plan":
             state["task"] = progress.add_task("experiment", total=payload["runs"] * RUN, run="")
             console.print(f"[dim]{payload['runs']} runs, {payload['done']} done already; results in {out_dir}[/dim]")
+        elif kind == "reused":
+            progress.console.print(f"{payload['cell']} seed {payload['seed']}: the same run is finished in "
+                                   f"{payload['source']}; copied, not trained again")
         elif kind == "run_start":
             resumed = " (resumed)" if payload["resume"] else ""
             progress.update(state["task"], run=f"{payload['cell']} seed {payload['seed']}{resumed}")
@@ -52,7 +58,7 @@ def experiment(
 
     try:
         with progress:
-            result = run_experiment(loaded, out_dir, device=device, on_event=on_event)
+            result = run_experiment(loaded, out_dir, device=device, reuse=reuse, on_event=on_event)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; run the same command again to continue the experiment in {out_dir}", err=True)
         raise typer.Exit(130) from None

@@ -1,6 +1,7 @@
 """xformer experiment: a grid of cells over seeds, each an ordinary run, compared with a baseline
 cell; a rerun keeps what is done and trains what is missing."""
 
+import filecmp
 import json
 import statistics
 from pathlib import Path
@@ -101,6 +102,33 @@ def test_a_rerun_trains_only_what_is_missing_and_refuses_another_experiment(done
     finally:
         spec.write_text(SPEC)
     assert other.exit_code == 2 and "other cells, seeds, budget or recipe" in other.stderr
+
+
+def test_a_run_finished_in_another_experiment_is_copied_not_trained_again(done, corpus, tmp_path):
+    spec, out, report = done
+    other = tmp_path / "other.toml"  # heads_2 again (as "two") beside a cell no one has run, seeds 2 and 3
+    other.write_text(SPEC.replace("seeds = [1, 2]", "seeds = [2, 3]")
+                     .replace('baseline = "heads_2"', 'baseline = "two"')
+                     .replace('heads_1 = ["model.n_heads=1"]\nheads_2 = []', 'two = []\nwide = ["model.d_ff=48"]'))
+    result = runner.invoke(app, ["experiment", str(other), *sets(corpus), "--out", str(tmp_path / "out"),
+                                 "--device", "cpu", "--reuse", str(out.parent), "--json"])
+    assert result.exit_code == 0, result.output
+    copied = tmp_path / "out" / "runs" / "two-s2"
+    source = out / "runs" / "heads_2-s2"
+    said = " ".join(result.stderr.split())  # rich wraps lines
+    assert "two seed 2: the same run is finished in" in said and "copied, not trained again" in said
+    assert said.count("copied") == 1
+    assert (copied / "train.json").read_text() == (source / "train.json").read_text()
+    for trained in ("two-s3", "wide-s2", "wide-s3"):  # another seed, another recipe: trained here
+        assert json.loads((tmp_path / "out" / "runs" / trained / "train.json").read_text())["steps"] == 6
+        assert not filecmp.cmp(tmp_path / "out" / "runs" / trained / "train.json", source / "train.json", shallow=False)
+    two = next(c for c in json.loads(result.stdout.strip().splitlines()[-1])["runs"] if c["cell"] == "two"
+               and c["seed"] == 2)
+    assert two["test"] == next(r["test"] for r in report["runs"] if r["cell"] == "heads_2" and r["seed"] == 2)
+    assert Path(two["hypotheses"]).parent == copied / "eval"  # scored and paired from the copy's own files
+    missing = runner.invoke(app, ["experiment", str(other), *sets(corpus), "--out", str(tmp_path / "again"),
+                                  "--reuse", str(tmp_path / "nowhere")])
+    assert missing.exit_code == 2 and "--reuse expected a folder of finished runs" in missing.stderr
 
 
 @pytest.mark.parametrize(("change", "words"), [

@@ -13,7 +13,10 @@ each cell and seed an ordinary run directory, compared with a baseline cell.
     heads_8 = []
 
 Every run lives in OUT/runs/<cell>-s<seed>; a finished run is kept, one stopped part way
-(Ctrl-C, a kill) resumes from its last checkpoint, so a rerun continues where it stopped. Each
+(Ctrl-C, a kill) resumes from its last checkpoint, so a rerun continues where it stopped. With
+`reuse` folders, a run not started yet is first looked for among the finished runs there (any
+depth): one whose resolved recipe.toml is this run's, setting for setting and seed for seed, is
+copied in rather than trained again (specs that share a baseline train it once). Each
 run's checkpoint with the best validation score (train.best_metric) is scored once on the test
 split. Then
 
@@ -29,6 +32,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import statistics
 import sys
 from dataclasses import dataclass, field
@@ -149,10 +153,12 @@ def run_key(cell: str, seed: int) -> str:
 
 
 def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str = "auto",
-                   on_event: Event | None = None) -> ExperimentResult:
-    """Train and score every run not done yet, then compare and write the results."""
+                   reuse: list[str | Path] = (), on_event: Event | None = None) -> ExperimentResult:
+    """Train and score every run not done yet (copying a finished run of the same recipe from
+    the `reuse` folders where there is one), then compare and write the results."""
     emit = on_event or ignore
     out_dir = Path(out_dir)
+    finished = _finished_runs(reuse, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _pin(experiment, out_dir)
     plan = [(cell, seed) for cell in experiment.cells for seed in experiment.config.seeds]
@@ -163,6 +169,12 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
     for index, (cell, seed) in enumerate(plan):
         run_dir = out_dir / "runs" / run_key(cell, seed)
         state = run_state(run_dir)
+        if state == "new" and not run_dir.exists() and finished:
+            source = _same_run(experiment.recipe(cell, seed).to_dict(), finished)
+            if source is not None:
+                shutil.copytree(source, run_dir)
+                emit("reused", {"cell": cell, "seed": seed, "source": str(source)})
+                state = "trained"
         emit("run_start", {"index": index, "cell": cell, "seed": seed, "resume": state == "resume"})
         if state != "trained":
             def forward(kind, payload, index=index):
@@ -180,6 +192,35 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
     return result
 
 
+def _finished_runs(folders: list[str | Path], out_dir: Path) -> list[Path]:
+    """Every finished run (a recipe.toml beside a train.json of a run that ended) under the
+    folders, this experiment's own runs left out."""
+    mine = (out_dir / "runs").resolve()
+    found = []
+    for folder in folders:
+        folder = Path(folder)
+        if not folder.is_dir():
+            raise RunError(f"{folder}: --reuse expected a folder of finished runs, found no such folder")
+        for recipe in sorted(folder.rglob("recipe.toml")):
+            run_dir = recipe.parent
+            if run_dir.resolve().parent != mine and run_state(run_dir) == "trained":
+                found.append(run_dir)
+    return found
+
+
+def _same_run(wanted: dict, finished: list[Path]) -> Path | None:
+    """The first finished run whose resolved recipe is `wanted`, if any."""
+    wanted = json.loads(json.dumps(wanted))
+    for run_dir in finished:
+        try:
+            theirs = load_recipe(run_dir / "recipe.toml").to_dict()
+        except RecipeError:  # a recipe of an older or newer xformer: not the same run
+            continue
+        if json.loads(json.dumps(theirs)) == wanted:
+            return run_dir
+    return None
+
+
 def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
     """The run's test score with its best-on-validation checkpoint, scored once and kept."""
     trained = json.loads((run_dir / "train.json").read_text())
@@ -188,6 +229,9 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
     if test is None or test.get("checkpoint") != "best":
         test = json.loads(evaluate_run(run_dir, checkpoint="best", device=device).to_json())
     metric = "bleu" if "bleu" in test else "accuracy"
+    for kind in ("hypotheses", "predictions"):  # in RUN/eval/, wherever the run was scored (or copied from)
+        if test.get(kind):
+            test[kind] = str(run_dir / "eval" / Path(test[kind]).name)
     best = trained["best"] or {}
     return {"cell": cell, "seed": seed, "metric": metric, "test": test[metric], "valid": best.get(metric),
             "best_step": best.get("step"), "steps": trained["steps"], "parameters": trained["parameters"],

@@ -147,7 +147,8 @@ def _markdown(rows: list[dict]) -> str:
             continue
         offline = " (offline: add `--set data.dataset=PATH/TO/multi30k`)" if r["corpus"] else ""
         lines += ["", f"Experiment: `{r['spec']}`, {r['design']}.", "",
-                  f"Run: `xformer experiment {r['spec']} --out runs/claims/{r['name']}`{offline}; then "
+                  f"Run: `xformer experiment {r['spec']} --out runs/claims/{r['name']} --reuse runs/claims`"
+                  f"{offline}; then "
                   "`xformer claims` to regenerate this page."]
         if "record" not in r:
             lines += ["", "Not measured yet."]
