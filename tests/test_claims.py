@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.test_experiment import recall_spec
-from xformer.claims import Check, judge, verdict
+from xformer.claims import Check, describe, judge, verdict
 from xformer.ledger import ledger_problems
 from xformer_cli.main import app
 
@@ -77,6 +77,22 @@ def test_a_check_between_two_cells_that_are_not_the_baseline_has_no_paired_test(
     outcome = judge(Check("b", "better", than="a"), data)
     assert outcome.verdict == "supported" and "no paired test" in outcome.reason
     assert "+1.00 (+8.3%)" in outcome.reason  # b - a in seed 1, relative to a's mean of 12
+
+
+def test_a_speed_check_compares_the_timed_speeds_without_a_significance_test():
+    # the test scores would say "worse"; the check reads decode speeds: 3.0x and 3.5x the baseline's
+    data = results({"base": BASE, "fast": [9.0, 11.0]}, {"fast": [0.01, 0.01]})
+    for run, speed in zip(data["runs"], [10.0, 20.0, 30.0, 70.0], strict=True):
+        run["decode_per_s"] = speed
+    outcome = judge(Check("fast", "better", percent=200, up_to=400, metric="decode_speed"), data)
+    assert outcome.verdict == "supported", outcome.reason
+    assert "decode_per_s per seed: +20.00 (+133.3%), +50.00 (+333.3%)" in outcome.reason  # of the mean, 15
+    assert "timed; no significance test" in outcome.reason
+    assert judge(Check("fast", "better", percent=500, metric="decode_speed"), data).verdict == "contradicted"
+    untimed = judge(Check("fast", "better", metric="train_speed"), data)
+    assert untimed.verdict == "inconclusive" and "train speed was not timed" in untimed.reason
+    assert describe(Check("fast", "better", percent=200, metric="decode_speed"), "base") == \
+        "fast in decode speed better than base by 200%"
 
 
 def test_a_claim_depends_when_its_parts_disagree():

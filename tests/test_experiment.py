@@ -131,6 +131,33 @@ def test_a_run_finished_in_another_experiment_is_copied_not_trained_again(done, 
     assert missing.exit_code == 2 and "--reuse expected a folder of finished runs" in missing.stderr
 
 
+def test_a_cell_that_only_decodes_otherwise_scores_a_copy_again(done, corpus, tmp_path):
+    spec, out, report = done
+    other = tmp_path / "int8.toml"  # heads_2 decoded in int8: the same trained runs, scored again
+    other.write_text(SPEC.replace('heads_1 = ["model.n_heads=1"]', 'int8 = ["eval.quantize=int8"]'))
+    result = runner.invoke(app, ["experiment", str(other), *sets(corpus), "--out", str(tmp_path / "out"),
+                                 "--device", "cpu", "--reuse", str(out), "--json"])
+    assert result.exit_code == 0, result.output
+    for seed in (1, 2):
+        copy, source = tmp_path / "out" / "runs" / f"int8-s{seed}", out / "runs" / f"heads_2-s{seed}"
+        assert (copy / "train.json").read_text() == (source / "train.json").read_text()  # not trained again
+        assert json.loads((copy / "copied-from.json").read_text()) == {"source": str(source), "rescored": True}
+        assert 'quantize = "int8"' in (copy / "recipe.toml").read_text()
+        assert "quantize" not in (source / "recipe.toml").read_text()  # left out when off
+        scored = json.loads((copy / "eval.json").read_text())
+        assert scored["quantize"] == "int8" and Path(scored["hypotheses"]).parent == copy / "eval"
+        assert ".int8." in scored["hypotheses"] and scored["sentences_per_s"] > 0
+        exact = json.loads((tmp_path / "out" / "runs" / f"heads_2-s{seed}" / "copied-from.json").read_text())
+        assert exact["rescored"] is False  # the very same run keeps its scores
+    cells = {c["cell"]: c for c in json.loads(result.stdout.strip().splitlines()[-1])["cells"]}
+    runs = [r for r in report["runs"] if r["cell"] == "heads_2"]
+    assert cells["heads_2"]["train_steps_per_s_mean"] == pytest.approx(statistics.fmean(
+        r["steps"] / r["train_seconds"] for r in runs))
+    assert cells["int8"]["decode_per_s_mean"] > 0
+    header, _, *rows = (tmp_path / "out" / "results.md").read_text().splitlines()[2:]
+    assert header.endswith("| train steps/s | decode sentences/s |") and rows[0].endswith("x) |")
+
+
 @pytest.mark.parametrize(("change", "words"), [
     (('baseline = "heads_2"', 'baseline = "heads_3"'), "experiment.baseline: expected one of the cells"),
     (("max_steps = 6", "max_steps = 0"), "experiment.max_time: expected experiment.max_steps or"),

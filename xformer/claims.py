@@ -16,7 +16,9 @@ A claim xformer cannot measure yet has a [claim] table with `blocked` (what is m
 [experiment].
 
 A check is judged on the per-seed differences d_i = cell - than on the test metric and, where
-`than` is the baseline, on each seed's paired test (sacreBLEU's bootstrap or McNemar):
+`than` is the baseline, on each seed's paired test (sacreBLEU's bootstrap or McNemar). A check
+with `metric = "decode_speed"` or `"train_speed"` compares the runs' timed speeds instead (a
+claimed "3x faster" is `percent = 200`), with no significance test:
 
     better / worse   supported    every seed in the claimed direction, significant where tested,
                                   and the mean at least the claimed margin (and at most `up_to`)
@@ -47,6 +49,8 @@ from xformer.significance import SIGNIFICANT
 from xformer.strict import did_you_mean, section_from_dict
 
 Expect = Literal["better", "worse", "not_better", "not_worse", "same"]
+Metric = Literal["test", "train_speed", "decode_speed"]
+METRIC_KEYS = {"test": "test", "train_speed": "train_steps_per_s", "decode_speed": "decode_per_s"}  # in results.json
 
 
 @dataclass
@@ -57,6 +61,7 @@ class Check:
     percent: float = 0.0  # the claimed margin (better / worse) or tolerance (same), in % of `than`
     points: float = 0.0  # the same in the metric's own units (BLEU points, accuracy points)
     up_to: float = 0.0  # better / worse: the claimed gap's upper end, in the unit of percent or points; 0: none
+    metric: Metric = "test"  # the test score, or a speed: training steps a second, test sentences decoded a second
 
 
 @dataclass
@@ -142,19 +147,23 @@ def _check_problems(check: Check, cells: list[str], name: str) -> list[str]:
 def judge(check: Check, results: dict) -> Outcome:
     """Judge one check against an experiment's results.json (xformer.experiment)."""
     than = check.than or results["baseline"]
-    scores = {(r["cell"], r["seed"]): r["test"] for r in results["runs"]}
+    scores = {(r["cell"], r["seed"]): r.get(METRIC_KEYS[check.metric]) for r in results["runs"]}
     seeds = results["seeds"]
+    if any(scores[(c, s)] is None for c in (check.cell, than) for s in seeds):
+        return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was not timed in these runs")
     diffs = [scores[(check.cell, s)] - scores[(than, s)] for s in seeds]
     base = statistics.fmean(scores[(than, s)] for s in seeds)
     margin = check.points or base * check.percent / 100
     upper = (base * check.up_to / 100 if check.percent else check.up_to) if check.up_to else math.inf
     claimed = claimed_gap(check)
-    p_values = _p_values(results, check.cell) if than == results["baseline"] else None
+    timed = check.metric != "test"
+    p_values = _p_values(results, check.cell) if than == results["baseline"] and not timed else None
     tested = (f" (paired p {', '.join(f'{p:.3f}' for p in p_values)})" if p_values is not None
+              else " (timed; no significance test)" if timed
               else " (no paired test: neither cell is the baseline)" if than != results["baseline"] else "")
     significant = p_values is None or all(p < SIGNIFICANT for p in p_values)
     shown = ", ".join(_relative(d, base) for d in diffs)
-    said = f"{check.cell} - {than} per seed: {shown}{tested}"
+    said = f"{check.cell} - {than}{'' if not timed else ' ' + METRIC_KEYS[check.metric]} per seed: {shown}{tested}"
     mean = statistics.fmean(diffs)
 
     def out(verdict, why):
@@ -207,7 +216,8 @@ def claimed_gap(check: Check) -> str:
 
 def describe(check: Check, baseline: str) -> str:
     """What the check says, e.g. "gelu better than relu by 0.5% to 1%"."""
-    words = f"{check.cell} {check.expect.replace('_', ' ')} than {check.than or baseline}"
+    speed = "" if check.metric == "test" else f" in {check.metric.replace('_', ' ')}"
+    words = f"{check.cell}{speed} {check.expect.replace('_', ' ')} than {check.than or baseline}"
     if not (check.percent or check.points):
         return words
     how = {"same": "within", "not_worse": "allowing"}.get(check.expect, "by")

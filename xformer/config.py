@@ -47,6 +47,7 @@ Optimizer = Literal["adam", "adamw"]
 Schedule = Literal["inverse_sqrt", "cosine", "linear", "constant"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 CheckpointChoice = Literal["best", "last", "averaged"]
+EvalQuantize = Literal["", "int8"]  # xformer/quantize.py's QUANTIZE, or "" for none
 BestMetric = Literal["auto", "bleu", "accuracy", "loss"]
 
 TRANSFORMER_POOLING = ("cls", "mean", "last")
@@ -328,6 +329,8 @@ class EvalConfig:
     max_len_b: int = 10
     checkpoint: CheckpointChoice = "best"
     batch_sentences: int = 128
+    quantize: EvalQuantize = ""  # "int8": decode with dynamic int8 Linear layers (CPU), as `eval --quantize`;
+    # left out of saved recipes when "" (so runs from before it reload unchanged)
 
     def problems(self) -> list[str]:
         return positive(self, "beam", "batch_sentences") + non_negative(
@@ -414,8 +417,11 @@ class Recipe:
 
     def to_dict(self) -> dict[str, dict[str, Any]]:
         """Stored fields only (no properties), leaving out fields of switched-off variants."""
-        return {name: section_to_dict(getattr(self, name)) for name in SECTIONS
-                if name != "distill" or self.distill.teacher}
+        out = {name: section_to_dict(getattr(self, name)) for name in SECTIONS
+               if name != "distill" or self.distill.teacher}
+        if not self.eval.quantize:
+            del out["eval"]["quantize"]
+        return out
 
     def to_toml(self) -> str:
         lines: list[str] = []

@@ -7,6 +7,7 @@ each cell and seed an ordinary run directory, compared with a baseline cell.
     baseline = "heads_8"                             # the cell the others are compared with
     max_time = 10.0                                  # minutes of training per run (or max_steps)
     set = ["train.valid_every=500"]                  # overrides of every cell
+    rescore = false                                  # true: score runs copied by --reuse again
 
     [experiment.cells]
     heads_1 = ["model.n_heads=1"]
@@ -16,14 +17,20 @@ Every run lives in OUT/runs/<cell>-s<seed>; a finished run is kept, one stopped 
 (Ctrl-C, a kill) resumes from its last checkpoint, so a rerun continues where it stopped. With
 `reuse` folders, a run not started yet is first looked for among the finished runs there (any
 depth): one whose resolved recipe.toml is this run's, setting for setting and seed for seed, is
-copied in rather than trained again (specs that share a baseline train it once). Each
-run's checkpoint with the best validation score (train.best_metric) is scored once on the test
-split. Then
+copied in rather than trained again (specs that share a baseline train it once); one that
+differs only in how it is decoded (eval.beam, lenpen, checkpoint, quantize: what a cell such as
+`eval.quantize=int8` changes) is copied with this run's recipe and scored again, as is every
+copy with `rescore = true` (timings taken in one sitting). RUN/copied-from.json names the
+source. Each run's checkpoint with the best validation score (train.best_metric) is scored once
+on the test split. Then
 
     OUT/results.json   every run, and per cell: the test and validation metric's mean and std
-                       over seeds, the mean difference from the baseline, and a paired test
+                       over seeds, the mean difference from the baseline, a paired test
                        against the baseline run of the same seed (translation: sacreBLEU's
-                       paired bootstrap; classification: McNemar's exact test)
+                       paired bootstrap; classification: McNemar's exact test), and the mean
+                       speeds: training steps a second and, for translation, test sentences
+                       decoded a second (timed on the machine that ran the run: compare cells
+                       run on one machine, one run at a time)
     OUT/results.md     the same as a table
     OUT/results.png    the test metric per cell, mean and std
 """
@@ -58,6 +65,8 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
+SPEEDS = ("train_steps_per_s", "decode_per_s")  # per run, timed on the machine that ran it
+DECODING = ("beam", "lenpen", "checkpoint", "quantize")  # [eval] fields that do not touch training
 TABLES = ("experiment", "claim")
 
 
@@ -69,6 +78,7 @@ class ExperimentConfig:
     max_steps: int = 0  # per run; 0: no step limit
     max_time: float = 0.0  # minutes of training per run; 0: no time limit
     set: list[str] = field(default_factory=list)
+    rescore: bool = False  # score runs copied by --reuse again here (a speed claim times every run in one sitting)
 
     def problems(self, cells: dict) -> list[str]:
         out = []
@@ -170,10 +180,12 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
         run_dir = out_dir / "runs" / run_key(cell, seed)
         state = run_state(run_dir)
         if state == "new" and not run_dir.exists() and finished:
-            source = _same_run(experiment.recipe(cell, seed).to_dict(), finished)
+            recipe = experiment.recipe(cell, seed)
+            source, rescore = _same_run(recipe.to_dict(), finished)
             if source is not None:
-                shutil.copytree(source, run_dir)
-                emit("reused", {"cell": cell, "seed": seed, "source": str(source)})
+                rescore = rescore or experiment.config.rescore
+                _copy_run(source, run_dir, recipe if rescore else None)
+                emit("reused", {"cell": cell, "seed": seed, "source": str(source), "rescore": rescore})
                 state = "trained"
         emit("run_start", {"index": index, "cell": cell, "seed": seed, "resume": state == "resume"})
         if state != "trained":
@@ -208,17 +220,37 @@ def _finished_runs(folders: list[str | Path], out_dir: Path) -> list[Path]:
     return found
 
 
-def _same_run(wanted: dict, finished: list[Path]) -> Path | None:
-    """The first finished run whose resolved recipe is `wanted`, if any."""
+def _same_run(wanted: dict, finished: list[Path]) -> tuple[Path | None, bool]:
+    """The finished run whose resolved recipe is `wanted` (and False), else one trained the same
+    way and decoded otherwise (and True: score it again), else (None, False)."""
     wanted = json.loads(json.dumps(wanted))
+    trained_alike = None
     for run_dir in finished:
         try:
-            theirs = load_recipe(run_dir / "recipe.toml").to_dict()
+            theirs = json.loads(json.dumps(load_recipe(run_dir / "recipe.toml").to_dict()))
         except RecipeError:  # a recipe of an older or newer xformer: not the same run
             continue
-        if json.loads(json.dumps(theirs)) == wanted:
-            return run_dir
-    return None
+        if theirs == wanted:
+            return run_dir, False
+        if trained_alike is None and _training(theirs) == _training(wanted):
+            trained_alike = run_dir
+    return trained_alike, trained_alike is not None
+
+
+def _training(recipe: dict) -> dict:
+    """A resolved recipe without the [eval] fields that only change how a trained run decodes
+    (validation during training is greedy and ignores them)."""
+    return {**recipe, "eval": {k: v for k, v in recipe["eval"].items() if k not in DECODING}}
+
+
+def _copy_run(source: Path, run_dir: Path, rescored: Recipe | None) -> None:
+    """A copy of a finished run; with `rescored`, under that recipe and without its scores."""
+    skip = shutil.ignore_patterns("eval", "eval.json") if rescored is not None else None
+    shutil.copytree(source, run_dir, ignore=skip)
+    if rescored is not None:
+        atomic_write_text(run_dir / "recipe.toml", rescored.to_toml())
+    provenance = {"source": str(source), "rescored": rescored is not None}
+    atomic_write_text(run_dir / "copied-from.json", json.dumps(provenance, indent=2))
 
 
 def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
@@ -236,6 +268,8 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
     return {"cell": cell, "seed": seed, "metric": metric, "test": test[metric], "valid": best.get(metric),
             "best_step": best.get("step"), "steps": trained["steps"], "parameters": trained["parameters"],
             "train_seconds": trained["train_seconds"], "hypotheses": test.get("hypotheses"),
+            "train_steps_per_s": trained["steps"] / trained["train_seconds"] if trained["train_seconds"] else None,
+            "decode_per_s": test.get("sentences_per_s"),  # test sentences a second (translation's eval times it)
             "predictions": test.get("predictions"),
             "run_dir": str(run_dir)}
 
@@ -250,7 +284,8 @@ def _compare(experiment: Experiment, rows: dict, out_dir: Path) -> ExperimentRes
                  "test_std": statistics.stdev(tests) if len(tests) > 1 else 0.0,
                  "valid_mean": statistics.fmean(valids) if valids else None,
                  "valid_std": statistics.stdev(valids) if len(valids) > 1 else 0.0,
-                 "parameters": mine[0]["parameters"]}
+                 "parameters": mine[0]["parameters"],
+                 **{f"{speed}_mean": _mean([r.get(speed) for r in mine]) for speed in SPEEDS}}
         if cell != c.baseline:
             base = [rows[(c.baseline, s)] for s in c.seeds]
             entry["difference"] = statistics.fmean(m["test"] - b["test"] for m, b in zip(mine, base, strict=True))
@@ -261,6 +296,10 @@ def _compare(experiment: Experiment, rows: dict, out_dir: Path) -> ExperimentRes
     budget = f"{c.max_steps} steps" if c.max_steps else f"{c.max_time:g} minutes"
     return ExperimentResult(metric=metric, baseline=c.baseline, seeds=c.seeds, budget_per_run=budget,
                             cells=cells, runs=[rows[k] for k in sorted(rows)], source=str(experiment.source))
+
+
+def _mean(values: list) -> float | None:
+    return statistics.fmean(values) if values and None not in values else None
 
 
 def _paired(mine: dict, base: dict, experiment: Experiment) -> dict:
@@ -302,14 +341,25 @@ def markdown(result: ExperimentResult) -> str:
     lines = [f"test {result.metric} (mean +- std over seeds {', '.join(map(str, result.seeds))}), "
              f"{result.budget_per_run} per run; baseline {result.baseline}", "",
              f"| cell | overrides | test {result.metric} | valid {result.metric} | vs baseline | "
-             f"paired p < {SIGNIFICANT} | parameters |", "|---|---|---|---|---|---|---|"]
+             f"paired p < {SIGNIFICANT} | parameters | train steps/s | decode sentences/s |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    base = next(c for c in result.cells if c["cell"] == result.baseline)
     for c in result.cells:
         valid = f"{c['valid_mean']:.2f} +- {c['valid_std']:.2f}" if c["valid_mean"] is not None else "n/a"
         diff = f"{c['difference']:+.2f}" if "difference" in c else "baseline"
         significant = f"{c['significant_seeds']} of {len(result.seeds)} seeds" if "significant_seeds" in c else ""
         lines.append(f"| {c['cell']} | {' '.join(c['sets']) or '(recipe)'} | {c['test_mean']:.2f} +- "
-                     f"{c['test_std']:.2f} | {valid} | {diff} | {significant} | {c['parameters']:,} |")
+                     f"{c['test_std']:.2f} | {valid} | {diff} | {significant} | {c['parameters']:,} | "
+                     f"{_speed(c, base, 'train_steps_per_s')} | {_speed(c, base, 'decode_per_s')} |")
     return "\n".join(lines) + "\n"
+
+
+def _speed(cell: dict, base: dict, speed: str) -> str:
+    """A cell's mean speed and its ratio to the baseline's, e.g. "3.21 (1.08x)"."""
+    mine, theirs = cell.get(f"{speed}_mean"), base.get(f"{speed}_mean")
+    if mine is None:
+        return "n/a"
+    return f"{mine:.3g}" + (f" ({mine / theirs:.2f}x)" if theirs else "")
 
 
 def _write(result: ExperimentResult, out_dir: Path) -> None:

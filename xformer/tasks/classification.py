@@ -150,24 +150,25 @@ class ClassificationTask(Task):
 
     def evaluate(self, run_dir: Path, request: EvalRequest) -> ClassificationEval:
         checkpoint = request.checkpoint or self.recipe.eval.checkpoint
-        model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=request.quantize)
+        quantize = request.quantize or self.recipe.eval.quantize or None  # --quantize, else the recipe's
+        model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=quantize)
         examples, name = self.examples(request.split, request.data)
         predicted, total = predict_classes(model, examples, self.recipe.data.max_tokens, rt)
         n = len(examples)
         out_dir = Path(run_dir) / "eval"
-        stem = f"{name}.{checkpoint}{'.' + request.quantize if request.quantize else ''}"
+        stem = f"{name}.{checkpoint}{'.' + quantize if quantize else ''}"
         result = ClassificationEval(
             accuracy=accuracy(predicted, examples.labels), loss=total / max(n, 1), n_examples=n,
             task=self.recipe.data.task, split=name, checkpoint=checkpoint, labels=self.labels,
             majority_accuracy=100.0 * float(np.bincount(examples.labels).max() / n) if n else 0.0,
-            predictions=str(out_dir / f"{stem}.pred"), quantize=request.quantize,
+            predictions=str(out_dir / f"{stem}.pred"), quantize=quantize,
             confusion=(confusion_matrix(predicted, examples.labels, len(self.labels))
                        if len(self.labels) <= CONFUSION_MAX_CLASSES else None))
         result.card, result.warnings = self.eval_card(run_dir, rt, request.split or self.test_split(), request.data)
         atomic_write_text(out_dir / f"{stem}.pred", "".join(self.labels[p] + "\n" for p in predicted))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
-        if request.data is None and name == self.test_split() and not request.quantize:  # RUN/eval.json: the
-            # recipe's test split with the model as trained
+        if request.data is None and name == self.test_split() and quantize == (self.recipe.eval.quantize or None):
+            # RUN/eval.json: the recipe's test split, decoded as the recipe says (eval.quantize included)
             atomic_write_text(Path(run_dir) / "eval.json", result.to_json())
         return result
 

@@ -229,13 +229,14 @@ class TranslationTask(Task):
         """Translate a split (default: the recipe's test split) or request.data and score it."""
         recipe, d = self.recipe, self.recipe.data
         checkpoint = request.checkpoint or recipe.eval.checkpoint
+        quantize = request.quantize or recipe.eval.quantize or None  # --quantize, else the recipe's
         if request.ctranslate2:  # the exported model decodes; the run supplies tokenizer and data
             meta = ctranslate2_meta(request.ctranslate2)
             checkpoint = meta["checkpoint"]
             model = rt = None  # CTranslate2 decodes
             self.load_vocabulary(Path(run_dir))
         else:
-            model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=request.quantize)
+            model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=quantize)
         spec = request.data if request.data is not None else d.dataset
         split = request.split or d.test_split
         config = d.dataset_config or None if request.data is None else None  # a Hub configuration names the corpus
@@ -257,7 +258,7 @@ class TranslationTask(Task):
             pieces = [self.tokenizer.piece(i, "source") for i in range(self.tokenizer.vocab_size("source"))]
             ids = ctranslate2_ids(request.ctranslate2, sources, pieces, beam=beam, lenpen=lenpen,
                                   max_len_a=e.max_len_a, max_len_b=e.max_len_b,
-                                  compute_type="int8" if request.quantize else "float32")
+                                  compute_type="int8" if quantize else "float32")
             tick(len(sources))
         else:
             ids = translate_ids(model, sources, recipe, rt, beam=beam, lenpen=lenpen, on_batch=tick)
@@ -266,20 +267,20 @@ class TranslationTask(Task):
         scores = translation_scores(hyps, list(raw[d.target_lang]))
         name = eval_name(split, request.data, [raw[d.source_lang], raw[d.target_lang]])
         out_dir = Path(run_dir) / "eval"
-        engine = (".ct2" if request.ctranslate2 else "") + ("." + request.quantize if request.quantize else "")
+        engine = (".ct2" if request.ctranslate2 else "") + ("." + quantize if quantize else "")
         stem = f"{name}.{checkpoint}{engine}.beam{beam}.lenpen{lenpen:g}"
         result = TranslationEval(
             **scores, data=spec, split=split if request.data is None else None, checkpoint=checkpoint, beam=beam,
             lenpen=lenpen, decode_seconds=seconds, sentences_per_s=len(hyps) / max(seconds, 1e-9),
-            hypotheses=str(out_dir / f"{stem}.hyp"), quantize=request.quantize,
+            hypotheses=str(out_dir / f"{stem}.hyp"), quantize=quantize,
             engine="ctranslate2" if request.ctranslate2 else None)
         result.card, result.warnings = self.eval_card(run_dir, rt, split, request.data)
         result.card["wall_seconds"] = time.perf_counter() - started
         atomic_write_text(out_dir / f"{stem}.hyp", "".join(h + "\n" for h in hyps))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
-        as_trained = not (request.quantize or request.ctranslate2)
+        as_trained = not request.ctranslate2 and quantize == (recipe.eval.quantize or None)
         if request.data is None and split == d.test_split and as_trained:  # RUN/eval.json: the recipe's own
-            # test split, decoded by the model as trained
+            # test split, decoded as the recipe says (eval.quantize included)
             atomic_write_text(Path(run_dir) / "eval.json", result.to_json())
         return result
 
@@ -290,7 +291,8 @@ class TranslationTask(Task):
         blank (nothing is decoded for it); a line longer than the model's positions is
         translated from its first model.max_positions - 1 pieces, and `on_warning` is told."""
         recipe = self.recipe
-        model, rt = self.open_run(run_dir, checkpoint or recipe.eval.checkpoint, device, quantize=quantize)
+        model, rt = self.open_run(run_dir, checkpoint or recipe.eval.checkpoint, device,
+                                  quantize=quantize or recipe.eval.quantize or None)
         sources = self.tokenizer.encode(lines, "source")
         limit = recipe.model.max_positions - 1  # room for EOS
         for number, ids in enumerate(sources, start=1):
