@@ -54,10 +54,11 @@ from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.recipe_io import load_recipe
 from xformer.results import ExperimentResult
+from xformer.rundir import run_state
 from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task
-from xformer.train import run, run_state
+from xformer.train import run
 
 if sys.version_info >= (3, 11):
     import tomllib

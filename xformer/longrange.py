@@ -47,10 +47,11 @@ from xformer.files import atomic_write_text
 from xformer.model.lstm import match_hidden
 from xformer.recipe_io import load_recipe, recipe_from_dict
 from xformer.results import SweepResult
+from xformer.rundir import run_state
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task, parameter_count
 from xformer.tasks.generated import GeneratedData
-from xformer.train import run, run_state
+from xformer.train import run
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -8,7 +8,8 @@ into unless it is empty or holds only a tokenizer/, and neither the current dire
 folder holding it) nor a folder holding the recipe being read can be the run directory.
 
 Every checkpoint records the digest of the run's tokenizer files, so a tokenizer swapped
-after training is caught when a checkpoint is loaded rather than decoding garbage.
+after training is caught when a checkpoint is loaded rather than decoding garbage. A driver of
+many runs (experiment, longrange) asks run_state whether a run is trained, to resume or new.
 """
 
 from __future__ import annotations
@@ -19,10 +20,12 @@ import shutil
 import time
 from pathlib import Path
 
+from xformer.checkpoint import read_checkpoint_meta
 from xformer.errors import RunError
 
 MARKER = "xformer-run.json"
-ARTEFACTS = ("recipe.toml", "tokenizer", "metrics.jsonl", "checkpoints", "train.json", "eval", "eval.json", MARKER)
+ARTEFACTS = ("recipe.toml", "tokenizer", "metrics.jsonl", "checkpoints", "train.json", "eval", "eval.json", MARKER,
+             "copied-from.json")  # the last: where `experiment --reuse` copied the run from
 
 
 def is_run_dir(path: Path) -> bool:
@@ -153,3 +156,25 @@ def eval_name(split: str, data: str | None, columns: list[list]) -> str:
 def tokenizer_dir(run_dir: str | Path) -> Path:
     """RUN/tokenizer: the sentencepiece model(s) or classification encoder a run was trained with."""
     return Path(run_dir) / "tokenizer"
+
+
+def run_state(run_dir: Path) -> str:
+    """What a driver of many runs (longrange, experiment) does with RUN: "trained" (its
+    train.json says it ended: score it), "resume" (a checkpoint of a run stopped part way, or
+    killed before its summary: --resume finishes it) or "new" (nothing usable, or a run that
+    stopped for non-finite losses: train it from scratch)."""
+    summary, last = run_dir / "train.json", run_dir / "checkpoints" / "last.safetensors"
+    if summary.is_file():
+        return "resume" if json.loads(summary.read_text())["stop_reason"] == "interrupted" else "trained"
+    if last.is_file() and read_checkpoint_meta(last).get("stop_reason") != "nonfinite":
+        return "resume"
+    return "new"
+
+
+def finished_at(out_dir: Path, step: int) -> bool:
+    """Whether the run's train.json describes the checkpoint's step: the run ended there
+    (rather than being killed between its last checkpoint and its summary)."""
+    try:
+        return json.loads((out_dir / "train.json").read_text())["steps"] == step
+    except (OSError, ValueError, KeyError, TypeError):
+        return False

@@ -31,7 +31,6 @@ from xformer.checkpoint import (
     load_model_weights,
     load_optimizer_state,
     read_checkpoint,
-    read_checkpoint_meta,
     save_checkpoint,
 )
 from xformer.compiling import compiled_forward
@@ -50,6 +49,7 @@ from xformer.rundir import (
     check_out_dir,
     check_tokenizer,
     clear_run_dir,
+    finished_at,
     is_run_dir,
     mark_run_dir,
     remove_temporaries,
@@ -240,7 +240,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         rt.load_state(tensors, meta)
         retrying = meta.get("stop_reason") == "nonfinite"
         done = _stop_reason(cfg, progress, progress.seconds, len(batches))
-        if done and _finished(out_dir, progress.step):
+        if done and finished_at(out_dir, progress.step):
             raise RunError(f"{out_dir}: the run already stopped by train.{done}; raise that limit "
                            f"(e.g. --set train.{done}=...) to continue it")
         stop_reason = done  # killed after its last checkpoint, before its average and train.json: finish those
@@ -391,28 +391,6 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                           json.dumps({**asdict(result), "loop_overhead": result.loop_overhead}, indent=2))
     emit("end", asdict(result))
     return result
-
-
-def run_state(run_dir: Path) -> str:
-    """What a driver of many runs (longrange, experiment) does with RUN: "trained" (its
-    train.json says it ended: score it), "resume" (a checkpoint of a run stopped part way, or
-    killed before its summary: --resume finishes it) or "new" (nothing usable, or a run that
-    stopped for non-finite losses: train it from scratch)."""
-    summary, last = run_dir / "train.json", run_dir / "checkpoints" / "last.safetensors"
-    if summary.is_file():
-        return "resume" if json.loads(summary.read_text())["stop_reason"] == "interrupted" else "trained"
-    if last.is_file() and read_checkpoint_meta(last).get("stop_reason") != "nonfinite":
-        return "resume"
-    return "new"
-
-
-def _finished(out_dir: Path, step: int) -> bool:
-    """Whether the run's train.json describes the checkpoint's step: the run ended there
-    (rather than being killed between its last checkpoint and its summary)."""
-    try:
-        return json.loads((out_dir / "train.json").read_text())["steps"] == step
-    except (OSError, ValueError, KeyError, TypeError):
-        return False
 
 
 def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int) -> str | None:
