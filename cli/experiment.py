@@ -43,8 +43,9 @@ def experiment(
             state["task"] = progress.add_task("experiment", total=payload["runs"] * RUN, run="")
             console.print(f"[dim]{payload['runs']} runs, {payload['done']} done already; results in {out_dir}[/dim]")
         elif kind == "reused":
+            again = "; scored again" if payload["rescore"] else ""
             progress.console.print(f"{payload['cell']} seed {payload['seed']}: the same run is finished in "
-                                   f"{payload['source']}; copied, not trained again")
+                                   f"{payload['source']}; copied, not trained again{again}")
         elif kind == "run_start":
             resumed = " (resumed)" if payload["resume"] else ""
             progress.update(state["task"], run=f"{payload['cell']} seed {payload['seed']}{resumed}")

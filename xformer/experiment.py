@@ -259,8 +259,11 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
     trained = json.loads((run_dir / "train.json").read_text())
     summary = run_dir / "eval.json"
     test = json.loads(summary.read_text()) if summary.is_file() else None
-    if test is None or test.get("checkpoint") != "best":
+    scored_here = test is None or test.get("checkpoint") != "best"
+    if scored_here:
         test = json.loads(evaluate_run(run_dir, checkpoint="best", device=device).to_json())
+    provenance = run_dir / "copied-from.json"
+    copied = json.loads(provenance.read_text()) if provenance.is_file() else None
     metric = "bleu" if "bleu" in test else "accuracy"
     for kind in ("hypotheses", "predictions"):  # in RUN/eval/, wherever the run was scored (or copied from)
         if test.get(kind):
@@ -269,9 +272,13 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
     return {"cell": cell, "seed": seed, "metric": metric, "test": test[metric], "valid": best.get(metric),
             "best_step": best.get("step"), "steps": trained["steps"], "parameters": trained["parameters"],
             "train_seconds": trained["train_seconds"], "hypotheses": test.get("hypotheses"),
-            "train_steps_per_s": trained["steps"] / trained["train_seconds"] if trained["train_seconds"] else None,
-            "decode_per_s": test.get("sentences_per_s"),  # test sentences a second (translation's eval times it)
-            "predictions": test.get("predictions"),
+            # speeds timed in this experiment only: a --reuse copy was trained elsewhere, and decoded
+            # elsewhere unless it was scored again
+            "train_steps_per_s": trained["steps"] / trained["train_seconds"]
+            if trained["train_seconds"] and copied is None else None,
+            "decode_per_s": test.get("sentences_per_s")  # test sentences a second (translation's eval times it)
+            if copied is None or copied["rescored"] or scored_here else None,
+            "predictions": test.get("predictions"), "copied_from": copied and copied["source"],
             "run_dir": str(run_dir)}
 
 
@@ -339,8 +346,11 @@ def _pin(experiment: Experiment, out_dir: Path) -> None:
 
 
 def markdown(result: ExperimentResult) -> str:
+    copies = [f"{r['cell']}-s{r['seed']}" for r in result.runs if r.get("copied_from")]
+    speeds = (f"; speeds are this experiment's timings, n/a where not taken here ({', '.join(copies)}: "
+              "copies by --reuse)" if copies else "")
     lines = [f"test {result.metric} (mean +- std over seeds {', '.join(map(str, result.seeds))}), "
-             f"{result.budget_per_run} per run; baseline {result.baseline}", "",
+             f"{result.budget_per_run} per run; baseline {result.baseline}{speeds}", "",
              f"| cell | overrides | test {result.metric} | valid {result.metric} | vs baseline | "
              f"paired p < {SIGNIFICANT} | parameters | train steps/s | decode sentences/s |",
              "|---|---|---|---|---|---|---|---|---|"]
