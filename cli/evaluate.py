@@ -88,7 +88,7 @@ def show_translation(run: Path, result: TranslationEval) -> None:
 
 def show_classification(run: Path, result: ClassificationEval) -> None:
     rows = {"accuracy": result.accuracy, "majority_accuracy": result.majority_accuracy, "loss": result.loss,
-            "n_examples": result.n_examples, "checkpoint": result.checkpoint}
+            "n_examples": result.n_examples, "examples/s": result.examples_per_s, "checkpoint": result.checkpoint}
     stdout.print(score_table(f"{run}: {result.task} {result.split}", rows))
     if result.confusion is not None:
         table = Table(title="confusion (rows: true, columns: predicted)", header_style="bold")

@@ -199,3 +199,8 @@ def test_a_classification_experiment_pairs_its_runs_by_mcnemar(tmp_path):
     runs = {r["cell"]: r for r in report["runs"]}
     assert paired["difference"] == pytest.approx(runs["one"]["test"] - runs["two"]["test"])
     assert 0 < paired["p_value"] <= 1
+    for run in runs.values():  # the test split's forward passes are timed like translation's decoding
+        scored = json.loads((Path(run["run_dir"]) / "eval.json").read_text())
+        assert run["decode_per_s"] == scored["examples_per_s"] > 0
+        assert scored["examples_per_s"] == pytest.approx(scored["n_examples"] / scored["eval_seconds"])
+    assert "| test examples/s |" in (tmp_path / "out" / "results.md").read_text()

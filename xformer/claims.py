@@ -61,7 +61,8 @@ class Check:
     percent: float = 0.0  # the claimed margin (better / worse) or tolerance (same), in % of `than`
     points: float = 0.0  # the same in the metric's own units (BLEU points, accuracy points)
     up_to: float = 0.0  # better / worse: the claimed gap's upper end, in the unit of percent or points; 0: none
-    metric: Metric = "test"  # the test score, or a speed: training steps a second, test sentences decoded a second
+    metric: Metric = "test"  # the test score, or a speed: training steps a second, test sentences decoded
+    # (or test examples classified) a second
 
 
 @dataclass

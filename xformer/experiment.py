@@ -28,9 +28,9 @@ on the test split. Then
                        over seeds, the mean difference from the baseline, a paired test
                        against the baseline run of the same seed (translation: sacreBLEU's
                        paired bootstrap; classification: McNemar's exact test), and the mean
-                       speeds: training steps a second and, for translation, test sentences
-                       decoded a second (timed on the machine that ran the run: compare cells
-                       run on one machine, one run at a time)
+                       speeds: training steps a second and test sentences decoded
+                       (translation) or examples classified a second (timed on the machine
+                       that ran the run: compare cells run on one machine, one at a time)
     OUT/results.md     the same as a table
     OUT/results.png    the test metric per cell, mean and std
 """
@@ -276,7 +276,8 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
             # elsewhere unless it was scored again
             "train_steps_per_s": trained["steps"] / trained["train_seconds"]
             if trained["train_seconds"] and copied is None else None,
-            "decode_per_s": test.get("sentences_per_s")  # test sentences a second (translation's eval times it)
+            # test sentences decoded (translation) or examples classified a second
+            "decode_per_s": test.get("sentences_per_s", test.get("examples_per_s"))
             if copied is None or copied["rescored"] or scored_here else None,
             "predictions": test.get("predictions"), "copied_from": copied and copied["source"],
             "run_dir": str(run_dir)}
@@ -349,10 +350,11 @@ def markdown(result: ExperimentResult) -> str:
     copies = [f"{r['cell']}-s{r['seed']}" for r in result.runs if r.get("copied_from")]
     speeds = (f"; speeds are this experiment's timings, n/a where not taken here ({', '.join(copies)}: "
               "copies by --reuse)" if copies else "")
+    per_s = "decode sentences/s" if result.metric == "bleu" else "test examples/s"
     lines = [f"test {result.metric} (mean +- std over seeds {', '.join(map(str, result.seeds))}), "
              f"{result.budget_per_run} per run; baseline {result.baseline}{speeds}", "",
              f"| cell | overrides | test {result.metric} | valid {result.metric} | vs baseline | "
-             f"paired p < {SIGNIFICANT} | parameters | train steps/s | decode sentences/s |",
+             f"paired p < {SIGNIFICANT} | parameters | train steps/s | {per_s} |",
              "|---|---|---|---|---|---|---|---|---|"]
     base = next(c for c in result.cells if c["cell"] == result.baseline)
     for c in result.cells:

@@ -61,6 +61,8 @@ class ClassificationEval(Result):
     majority_accuracy: float  # percent, always predicting the most frequent label
     predictions: str  # the file of predicted labels, one per line
     confusion: list[list[int]] | None = None  # [true][predicted]; None above 20 classes
+    eval_seconds: float | None = None  # the forward passes over the split, timed
+    examples_per_s: float | None = None
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
     card: dict | None = None  # what reproducing the score needs (xformer.runcard)
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read

@@ -11,6 +11,7 @@ classes) the confusion matrix to RUN/eval/<name>.<checkpoint>.{json,pred}.
 from __future__ import annotations
 
 import json
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -153,7 +154,9 @@ class ClassificationTask(Task):
         quantize = request.quantize or self.recipe.eval.quantize or None  # --quantize, else the recipe's
         model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=quantize)
         examples, name = self.examples(request.split, request.data)
+        started = time.perf_counter()
         predicted, total = predict_classes(model, examples, self.recipe.data.max_tokens, rt)
+        seconds = time.perf_counter() - started
         n = len(examples)
         out_dir = Path(run_dir) / "eval"
         stem = f"{name}.{checkpoint}{'.' + quantize if quantize else ''}"
@@ -162,6 +165,7 @@ class ClassificationTask(Task):
             task=self.recipe.data.task, split=name, checkpoint=checkpoint, labels=self.labels,
             majority_accuracy=100.0 * float(np.bincount(examples.labels).max() / n) if n else 0.0,
             predictions=str(out_dir / f"{stem}.pred"), quantize=quantize,
+            eval_seconds=seconds, examples_per_s=n / max(seconds, 1e-9),
             confusion=(confusion_matrix(predicted, examples.labels, len(self.labels))
                        if len(self.labels) <= CONFUSION_MAX_CLASSES else None))
         result.card, result.warnings = self.eval_card(run_dir, rt, request.split or self.test_split(), request.data)
