@@ -41,7 +41,6 @@ import json
 import re
 import shutil
 import statistics
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -52,18 +51,13 @@ from xformer.errors import RecipeError, RunError
 from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
-from xformer.recipe_io import load_recipe
+from xformer.recipe_io import load_recipe, read_toml
 from xformer.results import ExperimentResult
 from xformer.rundir import run_state
 from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task
 from xformer.train import run
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
 SPEEDS = ("train_steps_per_s", "decode_per_s")  # per run, timed on the machine that ran it
@@ -116,12 +110,7 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     """Read a spec; `overrides` are recipe --set values applied to every cell. Every cell's
     recipe is checked now, not hours into the experiment."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: no such experiment file") from None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise RecipeError(f"{path}: cannot read the experiment ({exc})") from None
+    raw = read_toml(path, "experiment")
     if "experiment" not in raw:
         raise RecipeError(f"{path}: no [experiment] table; an experiment names a recipe, seeds and cells "
                           "(a recipe runs with `xformer train`)")

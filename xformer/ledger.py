@@ -14,7 +14,6 @@ and returns the ledger's rows.
 from __future__ import annotations
 
 import json
-import sys
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -22,12 +21,8 @@ from xformer.claims import Claim, claim_from_table, describe, judge, verdict
 from xformer.errors import RecipeError, RunError
 from xformer.experiment import Experiment, load_experiment, markdown
 from xformer.files import atomic_write_text
+from xformer.recipe_io import read_toml
 from xformer.results import ExperimentResult, Ledger
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - Python 3.10
-    import tomli as tomllib
 
 LOCAL = ("hypotheses", "predictions", "run_dir")  # run fields that are paths on the machine that ran it
 HEADER = """# The claims ledger
@@ -51,10 +46,7 @@ Multi30k- and CPU-sized models, not WMT-sized ones.
 def read_spec(path: Path) -> tuple[Claim, Experiment | None]:
     """A claim spec: its claim and, unless it is blocked, its experiment (every check against
     the experiment's cells)."""
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise RecipeError(f"{path}: cannot read the claim ({exc})") from None
+    raw = read_toml(path, "claim")
     if not isinstance(raw.get("claim"), dict):
         raise RecipeError(f"{path}: no [claim] table; a spec in the ledger states the claim it tests")
     if "experiment" in raw:

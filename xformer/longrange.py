@@ -45,7 +45,7 @@ from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.model.lstm import match_hidden
-from xformer.recipe_io import load_recipe, recipe_from_dict
+from xformer.recipe_io import load_recipe, read_toml, recipe_from_dict
 from xformer.results import SweepResult
 from xformer.rundir import run_state
 from xformer.strict import did_you_mean, section_from_dict
@@ -108,12 +108,7 @@ class Sweep:
 def load_sweep(path: str | Path, overrides: list[str] = ()) -> Sweep:
     """Read a sweep file; `overrides` are sweep.key=value (TOML values)."""
     path = Path(path)
-    try:
-        raw = tomllib.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise RecipeError(f"{path}: no such sweep file") from None
-    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
-        raise RecipeError(f"{path}: cannot read the sweep ({exc})") from None
+    raw = read_toml(path, "sweep")
     problems = [f"{path}: {k}: unknown table{did_you_mean(k, ['sweep'])}" for k in raw if k != "sweep"]
     table = dict(raw.get("sweep", {}))
     variants = table.pop("variants", {})

@@ -25,6 +25,17 @@ else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
 
+def read_toml(path: Path, what: str) -> dict:
+    """A TOML file's tables; a RecipeError naming the file and `what` it should have been
+    ("experiment", "sweep", ...) when it is missing or unreadable."""
+    try:
+        return tomllib.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise RecipeError(f"{path}: no such {what} file") from None
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise RecipeError(f"{path}: cannot read the {what} ({exc})") from None
+
+
 def load_recipe(path: str | Path, overrides: list[str] | None = None) -> Recipe:
     """Read a TOML recipe, apply `--set` overrides, validate; raise RecipeError listing
     every problem found."""
