@@ -20,7 +20,6 @@ from __future__ import annotations
 import contextlib
 import csv
 import hashlib
-import json
 import logging
 import re
 from pathlib import Path
@@ -29,6 +28,16 @@ import datasets
 import numpy as np
 from datasets.data_files import DataFilesDict, EmptyDatasetError, get_data_patterns
 
+from xformer.data.rows import (
+    check_columns,
+    check_complete,
+    check_text_columns,
+    count_lines,
+    expected,
+    first_bad_json_line,
+    first_line,
+    is_blank,
+)
 from xformer.data.tokenizer import Tokenizer
 from xformer.errors import DataError
 
@@ -59,7 +68,7 @@ def load_corpus(spec: str, fields: list[str], config: str | None = None) -> data
         corpus = _load_whole(spec, config)
         corpus = datasets.DatasetDict({name: _lift_translation(split, fields) for name, split in corpus.items()})
         for name, split in corpus.items():
-            _check(split, f"{spec} (split '{name}')", fields, "rows")
+            check_columns(split, f"{spec} (split '{name}')", fields, "rows")
         return corpus
     return datasets.DatasetDict({name: _load_source(source, fields) for name, source in sources.items()})
 
@@ -87,9 +96,9 @@ def load_split(spec: str, split: str, fields: list[str], config: str | None = No
         if split not in corpus:
             raise DataError(_no_split(spec, split, list(corpus)))
         rows = _lift_translation(corpus[split], fields)
-        _check(rows, f"{spec} (split '{split}')", fields, "rows")
+        check_columns(rows, f"{spec} (split '{split}')", fields, "rows")
         if complete:
-            _check_complete(rows, f"{spec} (split '{split}')", fields, numeric)
+            check_complete(rows, f"{spec} (split '{split}')", fields, numeric)
         return rows
     if single_file:
         (source,) = sources.values()
@@ -100,14 +109,14 @@ def load_split(spec: str, split: str, fields: list[str], config: str | None = No
     if not complete or source.kind != "json":
         rows = _load_source(source, fields)
         if complete:
-            _check_complete(rows, source.where, fields, numeric)
+            check_complete(rows, source.where, fields, numeric)
         return rows
     # Line by line, so that every message names its line: syntax and types before datasets
     # reads the file, missing values after it has found the columns (a field absent from
     # every row is better said as one).
     for check in (dict(complete=False), dict(complete=True)):
         for path in source.files:
-            problem = _first_bad_json_line(path, fields, numeric=numeric, **check)
+            problem = first_bad_json_line(path, fields, numeric=numeric, **check)
             if problem:
                 raise DataError(problem)
         if not check["complete"]:
@@ -240,37 +249,15 @@ def _no_split(spec: str, split: str, found: list[str]) -> str:
 
 def _load_source(source: _Source, fields: list[str]) -> datasets.Dataset:
     for path in source.files:
-        if _is_blank(path):
-            raise DataError(f"{path}: empty, expected {_expected(source.kind, fields)}")
+        if is_blank(path):
+            raise DataError(f"{path}: empty, expected {expected(source.kind, fields)}")
     if source.kind == "text":
         split = _load_parallel_text(source, fields)
     else:
         split = _lift_translation(_build(source, fields), fields)
-    _check(split, source.where, fields, source.kind)
-    _check_text_columns(split, source, fields)
+    check_columns(split, source.where, fields, source.kind)
+    check_text_columns(split, source.files, source.where, source.kind, fields)
     return split
-
-
-def _check_text_columns(split: datasets.Dataset, source: _Source, fields: list[str]) -> None:
-    """Each field a column of valid UTF-8 strings (Arrow's JSON reader keeps numbers as numbers
-    and passes invalid bytes through, to fail far from the file); one C++ pass a column, and
-    only on failure a line-by-line read to name the line."""
-    import pyarrow as pa
-
-    for field in fields:
-        column = split.data.column(field)
-        kind = column.type
-        problem = None
-        if not (pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_null(kind)):
-            problem = f"field {field!r} holds {kind} values, expected strings"
-        else:
-            try:
-                column.validate(full=True)
-            except pa.ArrowInvalid as exc:
-                problem = f"field {field!r}: {_first_line(exc)}"
-        if problem:
-            lines = [_first_bad_json_line(path, fields) for path in source.files] if source.kind == "json" else []
-            raise DataError(next((line for line in lines if line), f"{source.where}: {problem}"))
 
 
 def _lift_translation(split: datasets.Dataset, fields: list[str]) -> datasets.Dataset:
@@ -280,7 +267,7 @@ def _lift_translation(split: datasets.Dataset, fields: list[str]) -> datasets.Da
     feature = split.features["translation"]
     languages = getattr(feature, "languages", None) or (list(feature) if isinstance(feature, dict) else [])
     if not all(f in languages for f in fields):
-        return split  # _check names the missing field
+        return split  # check_columns names the missing field
     return split.map(lambda batch: {f: [pair[f] for pair in batch["translation"]] for f in fields},
                      batched=True, remove_columns=["translation"], desc="Flattening translation pairs")
 
@@ -303,7 +290,7 @@ def _build(source: _Source, fields: list[str]) -> datasets.Dataset:
     except ValueError as exc:
         if "corresponds to no data" not in str(exc):  # datasets' words for a split of 0 rows
             raise
-        raise DataError(f"{source.where}: empty, expected {_expected(source.kind, fields)}") from None
+        raise DataError(f"{source.where}: empty, expected {expected(source.kind, fields)}") from None
 
 
 @contextlib.contextmanager
@@ -325,60 +312,11 @@ def _unreadable(source: _Source, exc: Exception, fields: list[str]) -> str:
     cause = exc.__cause__ or exc
     if source.kind == "json":
         for path in source.files:
-            problem = _first_bad_json_line(path, fields)
+            problem = first_bad_json_line(path, fields)
             if problem:
                 return problem
-        return f"{source.where}: cannot read as JSON lines ({_first_line(cause)})"
-    return f"{source.where}: not valid TSV ({_first_line(cause)})"
-
-
-def _first_bad_json_line(path: Path, fields: list[str], *, complete: bool = False,
-                         numeric: tuple[str, ...] = ()) -> str | None:
-    with path.open("rb") as f:
-        first = f.read(4096).lstrip()[:1]
-    if first == b"[":
-        return None  # one JSON document, not JSON lines: datasets' message is all we have
-    with path.open("rb") as f:
-        for number, raw in enumerate(f, start=1):
-            try:
-                line = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                return f"{path}:{number}: not UTF-8 ({exc.reason} at byte {exc.start})"
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as exc:
-                return f"{path}:{number}: not valid JSON ({exc.msg}, column {exc.colno})"
-            if not isinstance(row, dict):
-                return f"{path}:{number}: expected a JSON object, found {type(row).__name__}"
-            for field in fields:
-                value = row.get(field)
-                if value is None and complete:
-                    return f"{path}:{number}: field {field!r} is {'null' if field in row else 'missing'}, " \
-                           f"expected {_wanted(field, numeric)}"
-                if not (value is None or isinstance(value, str) or _is_number(value) and field in numeric):
-                    return f"{path}:{number}: field {field!r} is a {type(value).__name__}, " \
-                           f"expected {_wanted(field, numeric)}"
-    return None
-
-
-def _wanted(field: str, numeric: tuple[str, ...]) -> str:
-    return "a string or a number" if field in numeric else "a string"
-
-
-def _is_number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _check_complete(split: datasets.Dataset, where: str, fields: list[str], numeric: tuple[str, ...]) -> None:
-    """Every row holds every field (what a line-by-line check cannot see: the Hub, TSV, text)."""
-    for field in fields:
-        for index, value in enumerate(split[field]):
-            if value is None or not (isinstance(value, str) or _is_number(value) and field in numeric):
-                found = "null" if value is None else f"a {type(value).__name__}"
-                raise DataError(f"{where}: row {index + 1}: field {field!r} is {found}, "
-                                f"expected {_wanted(field, numeric)}")
+        return f"{source.where}: cannot read as JSON lines ({first_line(cause)})"
+    return f"{source.where}: not valid TSV ({first_line(cause)})"
 
 
 def _load_parallel_text(source: _Source, fields: list[str]) -> datasets.Dataset:
@@ -400,13 +338,13 @@ def _load_parallel_text(source: _Source, fields: list[str]) -> datasets.Dataset:
             with _datasets_errors_silenced():
                 column = datasets.load_dataset("text", data_files={source.name: [str(path)]}, split=source.name)
         except datasets.exceptions.DatasetGenerationError as exc:
-            raise DataError(f"{path}: cannot read as UTF-8 text ({_first_line(exc.__cause__ or exc)})") from None
+            raise DataError(f"{path}: cannot read as UTF-8 text ({first_line(exc.__cause__ or exc)})") from None
         columns.append((path, column.rename_column("text", lang)))
     (first, first_rows), *rest = columns
     for path, rows in rest:
         if len(rows) != len(first_rows):
             raise DataError(
-                f"{first}: {_lines(len(first_rows))} but {path} has {_lines(len(rows))}; "
+                f"{first}: {count_lines(len(first_rows))} but {path} has {count_lines(len(rows))}; "
                 "parallel files must align line by line"
             )
     return datasets.concatenate_datasets([rows for _, rows in columns], axis=1)
@@ -418,45 +356,8 @@ def _load_whole(spec: str, config: str | None = None) -> datasets.DatasetDict:
     try:
         return datasets.load_dataset(str(Path(spec).expanduser()) if local else spec, config)
     except Exception as exc:  # network, missing repo, auth, bad files: all the user's to fix
-        reason = f"{type(exc).__name__}: {_first_line(exc)}"
+        reason = f"{type(exc).__name__}: {first_line(exc)}"
         if local:
             raise DataError(f"{spec}: cannot load ({reason})") from None
         raise DataError(f"data.dataset: cannot load '{spec}' from the Hugging Face Hub ({reason}); {_HUB_HINT}") \
             from None
-
-
-# -- checks --------------------------------------------------------------------------------
-
-def _check(split: datasets.Dataset, where: str, fields: list[str], kind: str) -> None:
-    if len(split) == 0:
-        raise DataError(f"{where}: empty, expected {_expected(kind, fields)}")
-    for field in fields:
-        if field not in split.column_names:
-            raise DataError(f"{where}: no field {field!r} (found: {', '.join(split.column_names)})")
-
-
-def _expected(kind: str, fields: list[str]) -> str:
-    named = ", ".join(fields)
-    return {
-        "json": f"JSONL lines with fields {named}",
-        "tsv": f"a header line naming the columns ({named}) and tab-separated rows",
-        "text": "one sentence a line",
-    }.get(kind, f"rows with fields {named}")
-
-
-def _is_blank(path: Path) -> bool:
-    """Whether a file holds nothing but whitespace (it stops reading at the first text)."""
-    try:
-        with path.open("rb") as f:
-            return not any(chunk.strip() for chunk in iter(lambda: f.read(1 << 16), b""))
-    except OSError as exc:
-        raise DataError(f"{path}: cannot read ({exc.strerror or type(exc).__name__})") from None
-
-
-def _lines(n: int) -> str:
-    return f"{n} line" if n == 1 else f"{n} lines"
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return text.splitlines()[0][:200] if text else type(exc).__name__
