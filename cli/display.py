@@ -1,4 +1,5 @@
-"""Rich rendering shared by commands: the training progress display and score tables."""
+"""Rich rendering shared by commands: the training progress display, the bar over a grid of
+runs and score tables."""
 
 from __future__ import annotations
 
@@ -76,6 +77,44 @@ class TrainDisplay:
             extra = "".join(f" {key} {payload[key]:.2f}" for key in ("ppl", "bleu", "accuracy") if key in payload)
             mark = " [green]best[/green]" if payload.get("best") else ""
             self.progress.console.print(f"step {payload['step']}: valid loss {payload['loss']:.3f}{extra}{mark}")
+
+
+class GridBar:
+    """One bar over a grid of runs (an experiment's cells x seeds, a sweep's rows), moved on by
+    each run's fraction done, with the run in training named beside it; use as a context."""
+
+    def __init__(self, label: str, console: Console | None = None):
+        self.progress = Progress(TextColumn(f"[bold]{label}[/bold]"), BarColumn(), TaskProgressColumn(),
+                                 TextColumn("{task.fields[run]}"), TimeElapsedColumn(), TextColumn("ETA"),
+                                 TimeRemainingColumn(), console=console or common.console)
+        self.task, self.done = None, 0
+
+    def __enter__(self):
+        self.progress.start()
+        return self
+
+    def __exit__(self, *exc):
+        self.progress.stop()
+
+    def plan(self, runs: int, done: int, out_dir, *, silent: int = 0) -> None:
+        """`silent`: finished runs that will not report again (the bar starts past them)."""
+        self.done = silent
+        self.task = self.progress.add_task("grid", total=runs * TOTAL, completed=silent * TOTAL, run="")
+        self.progress.console.print(f"[dim]{runs} runs, {done} done already; results in {out_dir}[/dim]")
+
+    def start(self, name: str, resumed: bool) -> None:
+        self.progress.update(self.task, run=name + (" (resumed)" if resumed else ""))
+
+    def advance(self, fraction: float) -> None:
+        self.progress.update(self.task, completed=(self.done + fraction) * TOTAL)
+
+    def end(self, line: str) -> None:
+        self.done += 1
+        self.progress.update(self.task, completed=self.done * TOTAL)
+        self.progress.console.print(line)
+
+    def say(self, line: str) -> None:
+        self.progress.console.print(line)
 
 
 def score_table(title: str, rows: dict) -> Table:

@@ -6,13 +6,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from xformer.experiment import load_experiment, run_experiment
-from xformer_cli.common import DeviceOption, JsonOption, SetOption, console, stdout, user_errors
-
-RUN = 1000  # progress units per run
+from xformer_cli.common import DeviceOption, JsonOption, SetOption, stdout, user_errors
+from xformer_cli.display import GridBar
 
 
 @user_errors
@@ -33,32 +31,25 @@ def experiment(
     and results.png with paired tests against the baseline cell."""
     loaded = load_experiment(spec, overrides)
     out_dir = out or Path("runs") / spec.stem
-    progress = Progress(TextColumn("[bold]experiment[/bold]"), BarColumn(), TaskProgressColumn(),
-                        TextColumn("{task.fields[run]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                        TimeRemainingColumn(), console=console)
-    state = {"task": None, "done": 0}
+    bar = GridBar("experiment")
 
     def on_event(kind: str, payload: dict) -> None:
-        if kind == "plan":
-            state["task"] = progress.add_task("experiment", total=payload["runs"] * RUN, run="")
-            console.print(f"[dim]{payload['runs']} runs, {payload['done']} done already; results in {out_dir}[/dim]")
+        if kind == "plan":  # finished runs report again (their scores), so the bar starts at 0
+            bar.plan(payload["runs"], payload["done"], out_dir)
         elif kind == "reused":
             again = "; scored again" if payload["rescore"] else ""
-            progress.console.print(f"{payload['cell']} seed {payload['seed']}: the same run is finished in "
-                                   f"{payload['source']}; copied, not trained again{again}")
+            bar.say(f"{payload['cell']} seed {payload['seed']}: the same run is finished in {payload['source']}; "
+                    f"copied, not trained again{again}")
         elif kind == "run_start":
-            resumed = " (resumed)" if payload["resume"] else ""
-            progress.update(state["task"], run=f"{payload['cell']} seed {payload['seed']}{resumed}")
+            bar.start(f"{payload['cell']} seed {payload['seed']}", payload["resume"])
         elif kind == "run_progress":
-            progress.update(state["task"], completed=(state["done"] + payload["fraction"]) * RUN)
+            bar.advance(payload["fraction"])
         elif kind == "run_end":
-            state["done"] += 1
-            progress.update(state["task"], completed=state["done"] * RUN)
-            progress.console.print(f"{payload['cell']} seed {payload['seed']}: test {payload['metric']} "
-                                   f"{payload['test']:.2f}, {payload['steps']} steps")
+            bar.end(f"{payload['cell']} seed {payload['seed']}: test {payload['metric']} {payload['test']:.2f}, "
+                    f"{payload['steps']} steps")
 
     try:
-        with progress:
+        with bar:
             result = run_experiment(loaded, out_dir, device=device, reuse=reuse, on_event=on_event)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; run the same command again to continue the experiment in {out_dir}", err=True)

@@ -6,13 +6,11 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import BarColumn, Progress, TaskProgressColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 from rich.table import Table
 
 from xformer.longrange import load_sweep, run_sweep
-from xformer_cli.common import DeviceOption, console, stdout, user_errors
-
-ROW = 1000  # progress units per row
+from xformer_cli.common import DeviceOption, stdout, user_errors
+from xformer_cli.display import GridBar
 
 
 @user_errors
@@ -28,32 +26,22 @@ def longrange(
     (rows already done are kept), then write comparison.json, comparison.md and comparison.png."""
     loaded = load_sweep(sweep, overrides)
     out_dir = out or Path("runs") / sweep.stem
-    progress = Progress(TextColumn("[bold]sweep[/bold]"), BarColumn(), TaskProgressColumn(),
-                        TextColumn("{task.fields[row]}"), TimeElapsedColumn(), TextColumn("ETA"),
-                        TimeRemainingColumn(), console=console)
-    state = {"task": None, "done": 0}
+    bar = GridBar("sweep")
 
     def on_event(kind: str, payload: dict) -> None:
-        if kind == "plan":
-            state["task"] = progress.add_task("sweep", total=payload["rows"] * ROW, row="",
-                                              completed=payload["done"] * ROW)
-            state["done"] = payload["done"]
-            console.print(f"[dim]{payload['rows']} runs, {payload['done']} done already; results in {out_dir}[/dim]")
+        if kind == "plan":  # rows already done do not report again
+            bar.plan(payload["rows"], payload["done"], out_dir, silent=payload["done"])
         elif kind == "row_start":
-            resumed = " (resumed)" if payload["resume"] else ""
-            progress.update(state["task"], row=f"{payload['model']} length {payload['length']} "
-                                               f"seed {payload['seed']}{resumed}")
+            bar.start(f"{payload['model']} length {payload['length']} seed {payload['seed']}", payload["resume"])
         elif kind == "row_progress":
-            progress.update(state["task"], completed=(state["done"] + payload["fraction"]) * ROW)
+            bar.advance(payload["fraction"])
         elif kind == "row_end":
-            state["done"] += 1
-            progress.update(state["task"], completed=state["done"] * ROW)
-            progress.console.print(f"{payload['model']:>11} length {payload['length']:>5} seed {payload['seed']}: "
-                                   f"test accuracy {payload['test_accuracy']:.2f}%, "
-                                   f"{payload['tokens_per_s']:,.0f} tokens/s, {payload['steps']} steps")
+            bar.end(f"{payload['model']:>11} length {payload['length']:>5} seed {payload['seed']}: "
+                    f"test accuracy {payload['test_accuracy']:.2f}%, {payload['tokens_per_s']:,.0f} tokens/s, "
+                    f"{payload['steps']} steps")
 
     try:
-        with progress:
+        with bar:
             comparison = run_sweep(loaded, out_dir, device=device, on_event=on_event)
     except KeyboardInterrupt:
         typer.echo(f"interrupted; run the same command again to continue the sweep in {out_dir}", err=True)
