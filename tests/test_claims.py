@@ -95,13 +95,18 @@ def test_a_speed_check_compares_the_timed_speeds_without_a_significance_test():
         "fast in decode speed better than base by 200%"
 
 
-def test_a_claim_depends_when_its_parts_disagree():
+def test_a_claim_depends_when_its_parts_disagree_and_fails_with_a_failed_part():
     data = results({"base": BASE, "a": [11.0, 13.0], "b": [9.0, 11.0]}, {"a": [0.01, 0.01], "b": [0.01, 0.01]})
     up, down = (judge(Check(c, "better"), data) for c in ("a", "b"))
     assert (up.verdict, down.verdict) == ("supported", "contradicted")
     assert verdict([up, down]) == "depends"
     assert verdict([up, up]) == "supported"
     assert verdict([up, judge(Check("a", "better", percent=50), data)]) == "depends"
+    noise = judge(Check("a", "better", than="b"), results({"base": BASE, "a": [11.0, 9.0], "b": [10.0, 10.0]},
+                                                          {"a": [0.01, 0.01], "b": [0.5, 0.5]}))
+    assert noise.verdict == "inconclusive"
+    assert verdict([down, noise]) == "contradicted"  # a part fails and nothing holds: the claim fails
+    assert verdict([up, noise]) == "inconclusive"  # a part holds, the rest unknown: the claim is unknown
 
 
 SPEC = "# Claim: deeper is better\n" + recall_spec([1, 2]) + """

@@ -37,9 +37,10 @@ best-on-validation checkpoint; cells are compared with the spec's baseline cell 
 mechanical (the rule is in `xformer/claims.py`): *supported* when every seed goes the claimed
 way, significantly, by the claimed margin; *contradicted* when every seed goes the other way,
 significantly, or every seed falls short of the claimed margin (or goes beyond a claimed upper
-end); *depends* when a claim's parts disagree, and the verdict says which; *inconclusive*
-otherwise. Every verdict holds at the stated scale only: these are
-Multi30k- and CPU-sized models, not WMT-sized ones.
+end); *depends* when a claim's parts disagree, and the verdict says which; a claim with a
+contradicted part and no supported one is contradicted; *inconclusive* otherwise. Every
+verdict holds at the stated scale only: these are Multi30k- and CPU-sized models, not
+WMT-sized ones.
 """
 
 
