@@ -102,11 +102,12 @@ def test_a_claim_depends_when_its_parts_disagree_and_fails_with_a_failed_part():
     assert verdict([up, down]) == "depends"
     assert verdict([up, up]) == "supported"
     assert verdict([up, judge(Check("a", "better", percent=50), data)]) == "depends"
-    noise = judge(Check("a", "better", than="b"), results({"base": BASE, "a": [11.0, 9.0], "b": [10.0, 10.0]},
-                                                          {"a": [0.01, 0.01], "b": [0.5, 0.5]}))
-    assert noise.verdict == "inconclusive"
+    # up in both seeds but neither significant against the baseline: not shown either way
+    noise = judge(Check("c", "better"), results({"base": BASE, "c": [10.2, 12.3]}, {"c": [0.40, 0.30]}))
+    assert noise.verdict == "inconclusive", noise.reason
     assert verdict([down, noise]) == "contradicted"  # a part fails and nothing holds: the claim fails
     assert verdict([up, noise]) == "inconclusive"  # a part holds, the rest unknown: the claim is unknown
+    assert verdict([up, down, noise]) == "depends"  # a part holds and a part fails
 
 
 SPEC = "# Claim: deeper is better\n" + recall_spec([1, 2]) + """

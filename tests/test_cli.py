@@ -141,6 +141,35 @@ def test_the_progress_bar_keeps_its_times_at_80_columns():
     assert re.search(r"\d:\d\d:\d\d ETA \d:\d\d:\d\d", bar), bar
 
 
+def test_the_grid_bar_counts_each_run_once_and_starts_past_silent_ones():
+    """experiment reports every run (finished ones too), a sweep only those it trains: the bar
+    starts past the ones that will not report, and each report moves it one run."""
+    import io
+
+    from rich.console import Console
+
+    from xformer_cli.display import TOTAL, GridBar
+
+    console = Console(file=io.StringIO(), width=100, force_terminal=False)
+    with GridBar("sweep", console) as bar:
+        bar.plan(4, 1, "runs/x", silent=1)
+        task = bar.progress.tasks[0]
+        assert task.completed == 1 * TOTAL and task.total == 4 * TOTAL
+        bar.start("lstm length 64 seed 1", resumed=True)
+        assert task.fields["run"] == "lstm length 64 seed 1 (resumed)"
+        bar.advance(0.5)
+        assert task.completed == 1.5 * TOTAL
+        bar.end("lstm length 64 seed 1: done")
+        assert task.completed == 2 * TOTAL
+    with GridBar("experiment", console) as bar:
+        bar.plan(2, 2, "runs/y")  # both finished, both will report their scores again
+        for _ in range(2):
+            bar.end("scored")
+        assert bar.progress.tasks[0].completed == bar.progress.tasks[0].total
+    out = console.file.getvalue()
+    assert "4 runs, 1 done already; results in runs/x" in out and "lstm length 64 seed 1: done" in out
+
+
 def test_the_heads_table_keeps_its_headers_at_80_columns():
     import io
 

@@ -266,7 +266,7 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
             "train_steps_per_s": trained["steps"] / trained["train_seconds"]
             if trained["train_seconds"] and copied is None else None,
             # test sentences decoded (translation) or examples classified a second
-            "decode_per_s": test.get("sentences_per_s", test.get("examples_per_s"))
+            "decode_per_s": test.get("sentences_per_s" if metric == "bleu" else "examples_per_s")
             if copied is None or copied["rescored"] or scored_here else None,
             "predictions": test.get("predictions"), "copied_from": copied and copied["source"],
             "run_dir": str(run_dir)}
