@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from xformer.experiment import load_experiment, run_experiment
-from xformer_cli.common import DeviceOption, JsonOption, SetOption, stdout, user_errors
+from xformer_cli.common import DeviceOption, JsonOption, stdout, user_errors
 from xformer_cli.display import GridBar
 
 
@@ -19,7 +19,9 @@ def experiment(
                                               "and budget; [experiment.cells] the overrides of each cell).")],
     out: Annotated[Path | None, typer.Option("--out", help="Experiment directory [default: "
                                                            "runs/<spec name>].")] = None,
-    overrides: SetOption = [],  # noqa: B006 - typer reads the default, never mutates it
+    overrides: Annotated[list[str], typer.Option(
+        "--set", help="A recipe value for every cell, TOML-typed (--set train.lr=3e-4), or the spec's own "
+                      "(--set experiment.max_steps=3000); repeatable.")] = [],  # noqa: B006
     reuse: Annotated[list[Path], typer.Option("--reuse", help="Folder of finished runs (searched at any depth, "
                                                               "repeatable): a run whose resolved recipe is the "
                                                               "same is copied in instead of trained again.")] = [],  # noqa: B006

@@ -181,6 +181,21 @@ def test_the_ledger_regenerates_from_its_records_when_the_runs_are_gone(ledger, 
     assert "not what `xformer claims` generates" in ledger_problems(specs, copy / "claims.md")[0]
 
 
+def test_the_ledger_refuses_a_folder_run_with_another_budget_than_its_spec(ledger, tmp_path):
+    """`--set experiment.max_steps=...` runs a spec at another budget, into its own folder; the
+    ledger reports specs as written, so such a folder in its place is refused, by name."""
+    folder, specs, _, _ = ledger
+    runs = tmp_path / "runs"
+    shutil.copytree(folder / "runs" / "depth", runs / "depth")
+    pinned = json.loads((runs / "depth" / "experiment.json").read_text())
+    (runs / "depth" / "experiment.json").write_text(json.dumps({**pinned, "max_steps": 8}))
+    result = runner.invoke(app, ["claims", str(specs), "--runs", str(runs), "--out", str(tmp_path / "claims.md")])
+    assert result.exit_code == 2
+    assert result.stderr.strip() == (f"{runs / 'depth'}: ran with other settings than {specs / 'depth.toml'}: "
+                                     "max_steps 8 (the spec: 4); the ledger reports the spec as written "
+                                     "(run it into another --out)")
+
+
 @pytest.mark.parametrize(("change", "words"), [
     (('cell = "one"', 'cell = "onne"'), "claim.checks[0].cell: expected one of the cells (one, two), found 'onne'; "
                                         "did you mean 'one'?"),

@@ -181,6 +181,26 @@ def test_a_bad_spec_is_one_line_before_anything_runs(corpus, tmp_path, change, w
     assert not (tmp_path / "out").exists()
 
 
+def test_set_experiment_values_change_the_spec_and_the_rest_every_recipe(tmp_path):
+    """--set experiment.max_steps=... runs a spec at another budget (a GPU's, say) without
+    editing it; recipe values still go to every cell; the cells stay the spec's."""
+    from xformer.experiment import load_experiment
+
+    spec = tmp_path / "depth.toml"
+    spec.write_text(recall_spec([1, 2]))
+    loaded = load_experiment(spec, ["experiment.max_steps=40", "experiment.seeds=[3]", "model.dropout=0.2"])
+    assert (loaded.config.max_steps, loaded.config.seeds) == (40, [3])
+    recipe = loaded.recipe("one", 3)
+    assert (recipe.train.max_steps, recipe.train.seed, recipe.model.dropout) == (40, 3, 0.2)
+    result = runner.invoke(app, ["experiment", str(spec), "--set", 'experiment.cells={a=[]}', "--out",
+                                 str(tmp_path / "out")])
+    assert result.exit_code == 2
+    assert "--set experiment.cells={a=[]}: experiment.cells cannot be set from the command line" in result.stderr
+    result = runner.invoke(app, ["experiment", str(spec), "--set", "experiment.seeds=[1,1]", "--out",
+                                 str(tmp_path / "out")])
+    assert result.exit_code == 2 and "experiment.seeds: expected distinct seeds, found [1, 1]" in result.stderr
+
+
 def test_a_recipe_where_an_experiment_belongs_is_named(tmp_path):
     result = runner.invoke(app, ["experiment", str(RECIPE), "--out", str(tmp_path / "out")])
     assert result.exit_code == 2 and "no [experiment] table" in result.stderr and "xformer train" in result.stderr

@@ -51,7 +51,7 @@ from xformer.errors import RecipeError, RunError
 from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
-from xformer.recipe_io import load_recipe, read_toml
+from xformer.recipe_io import load_recipe, parse_override, read_toml
 from xformer.results import ExperimentResult
 from xformer.rundir import run_state
 from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu
@@ -107,8 +107,10 @@ class Experiment:
 
 
 def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
-    """Read a spec; `overrides` are recipe --set values applied to every cell. Every cell's
-    recipe is checked now, not hours into the experiment."""
+    """Read a spec; `overrides` are --set values: experiment.KEY=VALUE replaces the spec's
+    [experiment] value (max_steps, seeds, baseline, ...), any other section.key=value is a
+    recipe override applied to every cell. Every cell's recipe is checked now, not hours
+    into the experiment."""
     path = Path(path)
     raw = read_toml(path, "experiment")
     if "experiment" not in raw:
@@ -116,6 +118,21 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
                           "(a recipe runs with `xformer train`)")
     problems = [f"{path}: {k}: unknown table{did_you_mean(k, TABLES)}" for k in raw if k not in TABLES]
     table = dict(raw["experiment"])
+    recipe_sets = []
+    for item in overrides:  # experiment.KEY=VALUE changes the spec (a budget, the seeds); the rest every recipe
+        if not item.strip().startswith("experiment."):
+            recipe_sets.append(item)
+            continue
+        try:
+            _, name, value = parse_override(item)
+        except RecipeError as exc:
+            problems += exc.problems
+            continue
+        if name in ("cells", "recipe", "set"):
+            problems.append(f"--set {item}: experiment.{name} cannot be set from the command line; "
+                            "write another spec")
+        else:
+            table[name] = value
     cells = table.pop("cells", {})
     if not isinstance(cells, dict) or not cells:
         problems.append(f"{path}: experiment.cells: expected a table of name = [\"section.key=value\", ...]")
@@ -139,7 +156,7 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
         problems.append(f"{path}: claim: expected a table, found {raw['claim']!r}")
     if problems:
         raise RecipeError(problems)
-    experiment = Experiment(config, cells, path, list(overrides), claim, checks)
+    experiment = Experiment(config, cells, path, recipe_sets, claim, checks)
     for name in cells:
         try:
             experiment.recipe(name, config.seeds[0])

@@ -60,11 +60,21 @@ def read_spec(path: Path) -> tuple[Claim, Experiment | None]:
     return claim, None
 
 
-def record_from_run(folder: Path, spec: Path) -> dict | None:
-    """What the ledger keeps of an experiment folder: None when it holds no results yet."""
+def record_from_run(folder: Path, spec: Path, experiment: Experiment) -> dict | None:
+    """What the ledger keeps of an experiment folder: None when it holds no results yet; a
+    RunError when the folder ran other cells, seeds or budget than `experiment` (the spec's)."""
     results = folder / "results.json"
     if not results.is_file():
         return None
+    pinned = folder / "experiment.json"
+    if pinned.is_file():
+        ran, c = json.loads(pinned.read_text()), experiment.config
+        wanted = {"cells": experiment.cells, "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time}
+        differ = [f"{key} {ran.get(key)!r} (the spec: {value!r})" for key, value in wanted.items()
+                  if ran.get(key) != json.loads(json.dumps(value))]
+        if differ:
+            raise RunError(f"{folder}: ran with other settings than {spec}: {'; '.join(differ)}; the ledger "
+                           "reports the spec as written (run it into another --out)")
     data = json.loads(results.read_text())
     first = folder / "runs" / f"{data['runs'][0]['cell']}-s{data['runs'][0]['seed']}" / "train.json"
     card = json.loads(first.read_text())["card"] if first.is_file() else {}
@@ -88,7 +98,7 @@ def build_ledger(specs: Path, runs: Path, out: Path, records: Path | None = None
         claim, experiment = read_spec(path)
         record = None
         if experiment is not None:
-            record = record_from_run(runs / path.stem, path)
+            record = record_from_run(runs / path.stem, path, experiment)
             kept = records / f"{path.stem}.json"
             if record is not None:
                 records.mkdir(parents=True, exist_ok=True)
