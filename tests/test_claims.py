@@ -159,6 +159,10 @@ def test_the_ledger_judges_each_claim_from_its_experiment(ledger):
     assert depth["checks"][0]["verdict"] == expected.verdict and depth["verdict"] == verdict([expected])
     text = out.read_text()
     assert "| 3 | Two layers beat one. |" in text and f"**Verdict: {expected.verdict}.**" in text
+    two, one = measured["cells"][1], measured["cells"][0]  # the ledger's row says the numbers behind it
+    assert (two["cell"], one["cell"]) == ("two", "one")
+    assert (f"| 3 | Two layers beat one. | {expected.verdict} | two {two['test_mean']:.2f} accuracy, "
+            f"one {one['difference']:+.2f} |") in text
     assert "Not measurable yet: a missing model field" in text
     assert f"xformer experiment {specs / 'depth.toml'}" in text
     # the kept record has the results without paths of the machine that ran them

@@ -17,7 +17,7 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
-from xformer.claims import Claim, claim_from_table, describe, judge, verdict
+from xformer.claims import METRIC_KEYS, Claim, claim_from_table, describe, judge, verdict
 from xformer.errors import RecipeError, RunError
 from xformer.experiment import Experiment, load_experiment, markdown
 from xformer.files import atomic_write_text
@@ -128,14 +128,16 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
         return {**row, "verdict": "not measured yet"}
     outcomes = [judge(check, record["results"]) for check in experiment.checks]
     return {**row, "verdict": verdict(outcomes), "record": record,
-            "checks": [{"check": describe(o.check, c.baseline), "verdict": o.verdict, "reason": o.reason}
-                       for o in outcomes]}
+            "checks": [{"check": describe(o.check, c.baseline), "verdict": o.verdict, "reason": o.reason,
+                        "cell": o.check.cell, "metric": o.check.metric} for o in outcomes]}
 
 
 def _markdown(rows: list[dict]) -> str:
-    lines = [HEADER, "| # | claim | verdict | spec |", "|---|---|---|---|"]
+    lines = [HEADER, "| # | claim | verdict | measured (mean over seeds; vs the baseline) | spec |",
+             "|---|---|---|---|---|"]
     for r in rows:
-        lines.append(f"| {r['number']} | {r['says']} | {r['verdict']} | [`{r['name']}`](#{r['name']}) |")
+        lines.append(f"| {r['number']} | {r['says']} | {r['verdict']} | {_measured(r)} | "
+                     f"[`{r['name']}`](#{r['name']}) |")
     for r in rows:
         lines += ["", f"## {r['name']}", "", f"> {r['says']}" + (f" ({r['source']})" if r["source"] else ""),
                   "", f"Claim {r['number']} of the list.", ""]
@@ -164,6 +166,24 @@ def _markdown(rows: list[dict]) -> str:
         lines += ["", "Checks:", ""]
         lines += [f"- {c['check']}: **{c['verdict']}** ({c['reason']})" for c in r["checks"]]
     return "\n".join(lines) + "\n"
+
+
+def _measured(row: dict) -> str:
+    """The numbers behind a verdict in a few words: the baseline's mean test score, each other
+    cell's mean difference from it, and the speed ratios a speed check judges."""
+    if "record" not in row:
+        return ""
+    res = row["record"]["results"]
+    cells = {c["cell"]: c for c in res["cells"]}
+    base = cells[res["baseline"]]
+    parts = [f"{res['baseline']} {base['test_mean']:.2f} {'BLEU' if res['metric'] == 'bleu' else res['metric']}"]
+    parts += [f"{name} {c['difference']:+.2f}" for name, c in cells.items() if "difference" in c]
+    for cell, metric in sorted({(c["cell"], c["metric"]) for c in row["checks"] if c["metric"] != "test"}):
+        key = METRIC_KEYS[metric]
+        mine, theirs = cells[cell].get(f"{key}_mean"), base.get(f"{key}_mean")
+        if mine is not None and theirs:
+            parts.append(f"{cell} {mine / theirs:.2f}x the {metric.replace('_', ' ')}")
+    return ", ".join(parts)
 
 
 def ledger_problems(specs: Path, out: Path, records: Path | None = None) -> list[str]:
