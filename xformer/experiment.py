@@ -28,9 +28,10 @@ on the test split. Then
                        over seeds, the mean difference from the baseline, a paired test
                        against the baseline run of the same seed (translation: sacreBLEU's
                        paired bootstrap; classification: McNemar's exact test), and the mean
-                       speeds: training steps a second and test sentences decoded
-                       (translation) or examples classified a second (timed on the machine
-                       that ran the run: compare cells run on one machine, one at a time)
+                       speeds: training steps a second (validation excluded) and test
+                       sentences decoded (translation) or examples classified a second (timed
+                       on the machine that ran the run: compare cells run on one machine, one
+                       at a time)
     OUT/results.md     the same as a table
     OUT/results.png    the test metric per cell, mean and std
 """
@@ -280,8 +281,10 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
             "train_seconds": trained["train_seconds"], "hypotheses": test.get("hypotheses"),
             # speeds timed in this experiment only: a --reuse copy was trained elsewhere, and decoded
             # elsewhere unless it was scored again
-            "train_steps_per_s": trained["steps"] / trained["train_seconds"]
-            if trained["train_seconds"] and copied is None else None,
+            # training steps a second, validation excluded (a claim about training speed
+            # compares the steps, not how long each model takes to validate)
+            "train_steps_per_s": trained["steps"] / trained["loop_seconds"]
+            if trained.get("loop_seconds") and copied is None else None,
             # test sentences decoded (translation) or examples classified a second
             "decode_per_s": test.get("sentences_per_s" if metric == "bleu" else "examples_per_s")
             if copied is None or copied["rescored"] or scored_here else None,
