@@ -44,6 +44,9 @@ def experiment(
                     f"copied, not trained again{again}")
         elif kind == "run_start":
             bar.start(f"{payload['cell']} seed {payload['seed']}", payload["resume"])
+        elif kind == "diverged":
+            bar.say(f"{payload['cell']} seed {payload['seed']}: diverged at step {payload['diverged_at']} (the loss "
+                    "stayed non-finite); scored as an empty output")
         elif kind == "run_progress":
             bar.advance(payload["fraction"])
         elif kind == "run_end":

@@ -183,6 +183,32 @@ def test_a_bad_spec_is_one_line_before_anything_runs(corpus, tmp_path, change, w
     assert not (tmp_path / "out").exists()
 
 
+def test_a_run_that_diverges_is_an_outcome_scored_as_empty_output_and_kept(tmp_path):
+    """A cell whose loss goes non-finite (lr 1e30) stops training, as `train` does, but the
+    experiment goes on: the run counts as an empty output (accuracy 0, paired with the
+    baseline's run), results.md says it diverged, and a rerun keeps it rather than training
+    it again."""
+    spec = tmp_path / "wild.toml"
+    spec.write_text(recall_spec([1]) + 'wild = ["train.lr=1e30", "train.max_nonfinite_steps=0"]\n')
+    out = tmp_path / "out"
+    result = runner.invoke(app, ["experiment", str(spec), "--out", str(out), "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    wild = next(r for r in report["runs"] if r["cell"] == "wild")
+    assert wild["test"] == 0.0 and wild["diverged_at"] <= 4 and wild["valid"] is None
+    assert Path(wild["predictions"]).read_text() == "\n" * 48  # data.n_test: every example unanswered
+    two = next(r for r in report["runs"] if r["cell"] == "two")
+    (paired,) = next(c for c in report["cells"] if c["cell"] == "wild")["paired"]
+    assert paired["difference"] == pytest.approx(-two["test"])
+    assert f"diverged (the loss stayed non-finite), scored as an empty output: wild-s1 at step " \
+           f"{wild['diverged_at']}" in (out / "results.md").read_text()
+    last = out / "runs" / "wild-s1" / "checkpoints" / "last.safetensors"
+    before = last.stat().st_mtime_ns
+    again = runner.invoke(app, ["experiment", str(spec), "--out", str(out), "--device", "cpu", "--json"])
+    assert again.exit_code == 0, again.output
+    assert last.stat().st_mtime_ns == before  # kept, not trained again
+
+
 def test_set_experiment_values_change_the_spec_and_the_rest_every_recipe(tmp_path):
     """--set experiment.max_steps=... runs a spec at another budget (a GPU's, say) without
     editing it; recipe values still go to every cell; the cells stay the spec's."""

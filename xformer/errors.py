@@ -26,3 +26,12 @@ class DataError(XformerError):
 
 class RunError(XformerError):
     """A run directory or checkpoint that is missing, incomplete, or would be overwritten."""
+
+
+class DivergedError(RunError):
+    """Training stopped because the loss or gradients stayed non-finite (train.max_nonfinite_steps);
+    the run's last checkpoint holds the weights before those steps."""
+
+    def __init__(self, problems: str | list[str], step: int):
+        super().__init__(problems)
+        self.step = step

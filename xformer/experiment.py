@@ -45,10 +45,11 @@ import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from xformer.checkpoint import read_checkpoint_meta
 from xformer.claims import Check, Claim, claim_from_table
 from xformer.config import Recipe
 from xformer.data.corpus import load_split
-from xformer.errors import RecipeError, RunError
+from xformer.errors import DivergedError, RecipeError, RunError
 from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
@@ -57,7 +58,7 @@ from xformer.results import ExperimentResult
 from xformer.rundir import run_state
 from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu
 from xformer.strict import did_you_mean, section_from_dict
-from xformer.tasks import make_task
+from xformer.tasks import make_task, parameter_count
 from xformer.train import run
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
@@ -196,16 +197,25 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
                 emit("reused", {"cell": cell, "seed": seed, "source": str(source), "rescore": rescore})
                 state = "trained"
         emit("run_start", {"index": index, "cell": cell, "seed": seed, "resume": state == "resume"})
-        if state != "trained":
+        diverged = diverged_at(run_dir)  # an earlier attempt's loss stayed non-finite: an outcome, kept
+        if state != "trained" and diverged is None:
             def forward(kind, payload, index=index):
                 if kind in ("tick", "step"):
                     emit("run_progress", {"index": index, "fraction": payload["fraction"]})
 
-            result = run(experiment.recipe(cell, seed), run_dir, device=device, resume=state == "resume",
-                         overwrite=state == "new", on_event=forward)
-            if result.stop_reason == "interrupted":
-                raise KeyboardInterrupt
-        rows[(cell, seed)] = _score(run_dir, cell, seed, device)
+            try:
+                result = run(experiment.recipe(cell, seed), run_dir, device=device, resume=state == "resume",
+                             overwrite=state == "new", on_event=forward)
+            except DivergedError as exc:
+                diverged = exc.step
+            else:
+                if result.stop_reason == "interrupted":
+                    raise KeyboardInterrupt
+        if diverged is None:
+            rows[(cell, seed)] = _score(run_dir, cell, seed, device)
+        else:
+            rows[(cell, seed)] = _score_diverged(experiment, run_dir, cell, seed, diverged)
+            emit("diverged", rows[(cell, seed)])
         emit("run_end", rows[(cell, seed)])
     result = _compare(experiment, rows, out_dir)
     _write(result, out_dir)
@@ -292,6 +302,36 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
             "run_dir": str(run_dir)}
 
 
+def diverged_at(run_dir: Path) -> int | None:
+    """The step where the run stopped because its loss or gradients stayed non-finite, or None."""
+    last = run_dir / "checkpoints" / "last.safetensors"
+    if (run_dir / "train.json").is_file() or not last.is_file():
+        return None
+    meta = read_checkpoint_meta(last)
+    return meta["progress"]["step"] if meta.get("stop_reason") == "nonfinite" else None
+
+
+def _score_diverged(experiment: Experiment, run_dir: Path, cell: str, seed: int, step: int) -> dict:
+    """A run that diverged translates (classifies) nothing: it is scored as an empty output on
+    the test split (BLEU 0; every example wrong), which still pairs with the baseline's run."""
+    recipe = experiment.recipe(cell, seed)
+    task = make_task(recipe)
+    out = run_dir / "eval"
+    if recipe.data.task == "translation":
+        d = recipe.data
+        n = len(load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None))
+        metric, kind, path = "bleu", "hypotheses", out / "diverged.hyp"
+    else:
+        task.load_vocabulary(run_dir)
+        n = len(task.examples(None, None)[0])
+        metric, kind, path = "accuracy", "predictions", out / "diverged.pred"
+    atomic_write_text(path, "\n" * n)
+    return {"cell": cell, "seed": seed, "metric": metric, "test": 0.0, "valid": None, "best_step": None,
+            "steps": step, "parameters": parameter_count(recipe), "train_seconds": None, "hypotheses": None,
+            "predictions": None, kind: str(path), "train_steps_per_s": None, "decode_per_s": None,
+            "copied_from": None, "diverged_at": step, "run_dir": str(run_dir)}
+
+
 def _compare(experiment: Experiment, rows: dict, out_dir: Path) -> ExperimentResult:
     c = experiment.config
     cells = []
@@ -359,6 +399,9 @@ def markdown(result: ExperimentResult) -> str:
     copies = [f"{r['cell']}-s{r['seed']}" for r in result.runs if r.get("copied_from")]
     speeds = (f"; speeds are this experiment's timings, n/a where not taken here ({', '.join(copies)}: "
               "copies by --reuse)" if copies else "")
+    diverged = [f"{r['cell']}-s{r['seed']} at step {r['diverged_at']}" for r in result.runs if r.get("diverged_at")]
+    if diverged:
+        speeds += (f"; diverged (the loss stayed non-finite), scored as an empty output: {', '.join(diverged)}")
     per_s = "decode sentences/s" if result.metric == "bleu" else "test examples/s"
     lines = [f"test {result.metric} (mean +- std over seeds {', '.join(map(str, result.seeds))}), "
              f"{result.budget_per_run} per run; baseline {result.baseline}{speeds}", "",

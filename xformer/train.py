@@ -36,7 +36,7 @@ from xformer.checkpoint import (
 from xformer.compiling import compiled_forward
 from xformer.config import Recipe
 from xformer.distributed import Cluster, cluster_from_env
-from xformer.errors import RunError
+from xformer.errors import DivergedError, RunError
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.instrument import PeakMemory, allocator_peak
@@ -339,10 +339,10 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                 if (logged or rt.device.type == "cpu") and int(line.skipped_run) > cfg.max_nonfinite_steps:
                     checkpoint("nonfinite", time.perf_counter())  # the skipped steps left the weights as they were
                     scale = f", loss scale {rt.scaler.get_scale():g}" if rt.scaler is not None else ""
-                    raise RunError(f"train.max_nonfinite_steps: the loss or gradients were not finite for "
-                                   f"{int(line.skipped_run)} steps in a row, up to step {progress.step}{scale}; "
-                                   "lower train.lr, raise train.warmup_steps, set train.clip_norm (e.g. 1.0) "
-                                   "or train in fp32, then --resume")
+                    raise DivergedError(f"train.max_nonfinite_steps: the loss or gradients were not finite for "
+                                        f"{int(line.skipped_run)} steps in a row, up to step {progress.step}{scale}; "
+                                        "lower train.lr, raise train.warmup_steps, set train.clip_norm (e.g. 1.0) "
+                                        "or train in fp32, then --resume", step=progress.step)
                 boundary = time.perf_counter()
                 progress.loop_seconds += boundary - t0
                 interrupted = stop_reason == "interrupted"
