@@ -196,6 +196,7 @@ def test_a_run_that_diverges_is_an_outcome_scored_as_empty_output_and_kept(tmp_p
     report = json.loads(result.stdout.strip().splitlines()[-1])
     wild = next(r for r in report["runs"] if r["cell"] == "wild")
     assert wild["test"] == 0.0 and wild["diverged_at"] <= 4 and wild["valid"] is None
+    assert wild["train_seconds"] > 0 and wild["train_steps_per_s"] > 0  # the steps it took, timed
     assert Path(wild["predictions"]).read_text() == "\n" * 48  # data.n_test: every example unanswered
     two = next(r for r in report["runs"] if r["cell"] == "two")
     (paired,) = next(c for c in report["cells"] if c["cell"] == "wild")["paired"]
@@ -207,6 +208,11 @@ def test_a_run_that_diverges_is_an_outcome_scored_as_empty_output_and_kept(tmp_p
     again = runner.invoke(app, ["experiment", str(spec), "--out", str(out), "--device", "cpu", "--json"])
     assert again.exit_code == 0, again.output
     assert last.stat().st_mtime_ns == before  # kept, not trained again
+    from xformer.experiment import load_experiment
+    from xformer.ledger import record_from_run
+
+    record = record_from_run(out, spec, load_experiment(spec))  # what `xformer claims` keeps of it
+    assert record["train_minutes"] >= 0 and record["results"]["runs"][2]["diverged_at"] == wild["diverged_at"]
 
 
 def test_set_experiment_values_change_the_spec_and_the_rest_every_recipe(tmp_path):

@@ -304,11 +304,16 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
 
 def diverged_at(run_dir: Path) -> int | None:
     """The step where the run stopped because its loss or gradients stayed non-finite, or None."""
+    progress = _diverged_progress(run_dir)
+    return progress["step"] if progress else None
+
+
+def _diverged_progress(run_dir: Path) -> dict | None:
     last = run_dir / "checkpoints" / "last.safetensors"
     if (run_dir / "train.json").is_file() or not last.is_file():
         return None
     meta = read_checkpoint_meta(last)
-    return meta["progress"]["step"] if meta.get("stop_reason") == "nonfinite" else None
+    return meta["progress"] if meta.get("stop_reason") == "nonfinite" else None
 
 
 def _score_diverged(experiment: Experiment, run_dir: Path, cell: str, seed: int, step: int) -> dict:
@@ -326,9 +331,12 @@ def _score_diverged(experiment: Experiment, run_dir: Path, cell: str, seed: int,
         n = len(task.examples(None, None)[0])
         metric, kind, path = "accuracy", "predictions", out / "diverged.pred"
     atomic_write_text(path, "\n" * n)
+    progress = _diverged_progress(run_dir) or {}  # the steps it took until it stopped
+    loop = progress.get("loop_seconds")
     return {"cell": cell, "seed": seed, "metric": metric, "test": 0.0, "valid": None, "best_step": None,
-            "steps": step, "parameters": parameter_count(recipe), "train_seconds": None, "hypotheses": None,
-            "predictions": None, kind: str(path), "train_steps_per_s": None, "decode_per_s": None,
+            "steps": step, "parameters": parameter_count(recipe), "train_seconds": progress.get("seconds", 0.0),
+            "hypotheses": None, "predictions": None, kind: str(path),
+            "train_steps_per_s": step / loop if loop else None, "decode_per_s": None,
             "copied_from": None, "diverged_at": step, "run_dir": str(run_dir)}
 
 
