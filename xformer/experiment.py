@@ -320,13 +320,13 @@ def _score_diverged(experiment: Experiment, run_dir: Path, cell: str, seed: int,
     """A run that diverged translates (classifies) nothing: it is scored as an empty output on
     the test split (BLEU 0; every example wrong), which still pairs with the baseline's run."""
     recipe = experiment.recipe(cell, seed)
-    task = make_task(recipe)
     out = run_dir / "eval"
     if recipe.data.task == "translation":
         d = recipe.data
         n = len(load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None))
         metric, kind, path = "bleu", "hypotheses", out / "diverged.hyp"
     else:
+        task = make_task(recipe)
         task.load_vocabulary(run_dir)
         n = len(task.examples(None, None)[0])
         metric, kind, path = "accuracy", "predictions", out / "diverged.pred"
