@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import json
 import re
-import shutil
 import statistics
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +54,7 @@ from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.recipe_io import load_recipe, parse_override, read_toml
 from xformer.results import ExperimentResult
+from xformer.reuse import copy_run, finished_runs, same_run
 from xformer.rundir import run_state
 from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu
 from xformer.strict import did_you_mean, section_from_dict
@@ -63,7 +63,6 @@ from xformer.train import run
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
 SPEEDS = ("train_steps_per_s", "decode_per_s")  # per run, timed on the machine that ran it
-DECODING = ("beam", "lenpen", "checkpoint", "quantize")  # [eval] fields that do not touch training
 TABLES = ("experiment", "claim")
 
 
@@ -177,7 +176,7 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
     the `reuse` folders where there is one), then compare and write the results."""
     emit = on_event or ignore
     out_dir = Path(out_dir)
-    finished = _finished_runs(reuse, out_dir)
+    finished = finished_runs(reuse, out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     _pin(experiment, out_dir)
     plan = [(cell, seed) for cell in experiment.cells for seed in experiment.config.seeds]
@@ -190,10 +189,10 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
         state = run_state(run_dir)
         if state == "new" and not run_dir.exists() and finished:
             recipe = experiment.recipe(cell, seed)
-            source, rescore = _same_run(recipe.to_dict(), finished)
+            source, rescore = same_run(recipe.to_dict(), finished)
             if source is not None:
                 rescore = rescore or experiment.config.rescore
-                _copy_run(source, run_dir, recipe if rescore else None)
+                copy_run(source, run_dir, recipe if rescore else None)
                 emit("reused", {"cell": cell, "seed": seed, "source": str(source), "rescore": rescore})
                 state = "trained"
         emit("run_start", {"index": index, "cell": cell, "seed": seed, "resume": state == "resume"})
@@ -220,55 +219,6 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
     result = _compare(experiment, rows, out_dir)
     _write(result, out_dir)
     return result
-
-
-def _finished_runs(folders: list[str | Path], out_dir: Path) -> list[Path]:
-    """Every finished run (a recipe.toml beside a train.json of a run that ended) under the
-    folders, this experiment's own runs left out."""
-    mine = (out_dir / "runs").resolve()
-    found = []
-    for folder in folders:
-        folder = Path(folder)
-        if not folder.is_dir():
-            raise RunError(f"{folder}: --reuse expected a folder of finished runs, found no such folder")
-        for recipe in sorted(folder.rglob("recipe.toml")):
-            run_dir = recipe.parent
-            if run_dir.resolve().parent != mine and run_state(run_dir) == "trained":
-                found.append(run_dir)
-    return found
-
-
-def _same_run(wanted: dict, finished: list[Path]) -> tuple[Path | None, bool]:
-    """The finished run whose resolved recipe is `wanted` (and False), else one trained the same
-    way and decoded otherwise (and True: score it again), else (None, False)."""
-    wanted = json.loads(json.dumps(wanted))
-    trained_alike = None
-    for run_dir in finished:
-        try:
-            theirs = json.loads(json.dumps(load_recipe(run_dir / "recipe.toml").to_dict()))
-        except RecipeError:  # a recipe of an older or newer xformer: not the same run
-            continue
-        if theirs == wanted:
-            return run_dir, False
-        if trained_alike is None and _training(theirs) == _training(wanted):
-            trained_alike = run_dir
-    return trained_alike, trained_alike is not None
-
-
-def _training(recipe: dict) -> dict:
-    """A resolved recipe without the [eval] fields that only change how a trained run decodes
-    (validation during training is greedy and ignores them)."""
-    return {**recipe, "eval": {k: v for k, v in recipe["eval"].items() if k not in DECODING}}
-
-
-def _copy_run(source: Path, run_dir: Path, rescored: Recipe | None) -> None:
-    """A copy of a finished run; with `rescored`, under that recipe and without its scores."""
-    skip = shutil.ignore_patterns("eval", "eval.json") if rescored is not None else None
-    shutil.copytree(source, run_dir, ignore=skip)
-    if rescored is not None:
-        atomic_write_text(run_dir / "recipe.toml", rescored.to_toml())
-    provenance = {"source": str(source), "rescored": rescored is not None}
-    atomic_write_text(run_dir / "copied-from.json", json.dumps(provenance, indent=2))
 
 
 def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
