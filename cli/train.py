@@ -10,6 +10,7 @@ from typing import Annotated
 
 import typer
 
+from xformer.cpuload import busy
 from xformer.errors import RecipeError, RunError
 from xformer.recipe_io import load_recipe
 from xformer.train import run
@@ -67,6 +68,9 @@ def train(
         typer.echo(json.dumps(summary))
     else:
         stdout.print(score_table("training", summary))
+    if busy(result.others_cpu):
+        typer.echo(f"warning: trained while other processes took {result.others_cpu:.2f} CPU cores: its speed is "
+                   "below what this machine does alone", err=True)
     if result.stop_reason == "interrupted":
         # the run's own recipe.toml holds every --set and limit it was started with
         run_dir = shlex.quote(result.run_dir)

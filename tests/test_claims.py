@@ -95,6 +95,20 @@ def test_a_speed_check_compares_the_timed_speeds_without_a_significance_test():
         "fast in decode speed better than base by 200%"
 
 
+def test_a_speed_timed_beside_other_work_judges_nothing():
+    data = results({"base": BASE, "fast": [9.0, 11.0]}, {"fast": [0.01, 0.01]})
+    for run, speed, others in zip(data["runs"], [10.0, 20.0, 30.0, 70.0], [0.0, 0.9, 0.1, None], strict=True):
+        run["decode_per_s"], run["decode_others_cpu"] = speed, others
+    check = Check("fast", "better", percent=200, up_to=400, metric="decode_speed")
+    outcome = judge(check, data)
+    assert outcome.verdict == "inconclusive", outcome.reason
+    assert "base-s2 (0.90 cores)" in outcome.reason and "fast-s" not in outcome.reason  # 0.1 and unknown pass
+    data["runs"][1]["decode_others_cpu"] = 0.2  # under BUSY_OVER
+    assert judge(check, data).verdict == "supported"
+    data["runs"][1]["train_others_cpu"] = 2.0  # another speed's timing is not this check's business
+    assert judge(check, data).verdict == "supported"
+
+
 def test_a_claim_depends_when_its_parts_disagree_and_fails_with_a_failed_part():
     data = results({"base": BASE, "a": [11.0, 13.0], "b": [9.0, 11.0]}, {"a": [0.01, 0.01], "b": [0.01, 0.01]})
     up, down = (judge(Check(c, "better"), data) for c in ("a", "b"))

@@ -3,11 +3,15 @@ results of different inputs never share a file, and a swapped tokenizer is caugh
 
 import json
 import shutil
+import subprocess
+import sys
+import time
 
 import pytest
 from typer.testing import CliRunner
 
 from tests.test_train import RECIPE, TINY, tiny_recipe
+from xformer import cpuload
 from xformer.data.corpus import load_split
 from xformer.data.tokenizer import train_tokenizer
 from xformer.train import run
@@ -159,3 +163,20 @@ def test_int8_scores_in_files_of_its_own_and_stays_close_to_fp32(trained):
     assert translated.exit_code == 0 and len(translated.stdout.splitlines()) == 1
     refused = runner.invoke(app, ["eval", str(trained), "--quantize", "int4"])
     assert refused.exit_code == 2 and "'int4' is not one of" in refused.output
+
+
+@pytest.mark.skipif(not cpuload.PROC_STAT.is_file(), reason="/proc/stat is Linux's")
+def test_a_score_timed_beside_other_work_says_so(trained):
+    """Every allowed core spun by another process: the speed is not this machine's, and eval says so."""
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                for _ in cpuload._allowed_cpus()]
+    try:
+        time.sleep(0.5)
+        crowded = runner.invoke(app, ["eval", str(trained), "--split", "validation", "--beam", "4", "--json"])
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert crowded.exit_code == 0, crowded.output
+    assert cpuload.busy(json.loads(crowded.stdout)["others_cpu"])
+    assert "warning: timed while other processes took" in crowded.stderr

@@ -4,12 +4,15 @@ cell; a rerun keeps what is done and trains what is missing."""
 import filecmp
 import json
 import statistics
+from copy import deepcopy
 from pathlib import Path
 
 import pytest
 from typer.testing import CliRunner
 
 from tests.test_train import RECIPE, TINY
+from xformer.experiment import markdown
+from xformer.results import ExperimentResult
 from xformer.significance import paired_bleu
 from xformer_cli.main import app
 
@@ -81,6 +84,10 @@ def test_every_cell_and_seed_is_an_ordinary_run_and_the_summary_is_their_scores(
             r["steps"] / loop for r, loop in zip(runs, loops, strict=True)))
         assert all(loop < r["train_seconds"] for r, loop in zip(runs, loops, strict=True))
         assert cell["decode_per_s_mean"] == pytest.approx(statistics.fmean(r["decode_per_s"] for r in runs))
+        for r in runs:  # the CPU other processes took beside each timing, as the run recorded it
+            trained, scored = (json.loads((Path(r["run_dir"]) / n).read_text()) for n in ("train.json", "eval.json"))
+            assert r["train_others_cpu"] == trained["others_cpu"] >= 0
+            assert r["decode_others_cpu"] == scored["others_cpu"] >= 0
         assert cell["test_std"] == pytest.approx(statistics.stdev(tests))
     heads_1 = report["cells"][0]
     assert [p["seed"] for p in heads_1["paired"]] == [1, 2] and "paired" not in report["cells"][1]
@@ -167,6 +174,20 @@ def test_a_cell_that_only_decodes_otherwise_scores_a_copy_again(done, corpus, tm
     assert "n/a where not taken here (heads_2-s1, heads_2-s2, int8-s1, int8-s2: copies by --reuse)" in title
     assert header.endswith("| train steps/s | decode sentences/s |")
     assert int8.endswith("| n/a | " + f"{cells['int8']['decode_per_s_mean']:.3g} |")  # no baseline speed to divide by
+
+
+def test_a_speed_timed_beside_other_work_is_marked_busy(done):
+    report = deepcopy(done[2])
+    quiet = markdown(ExperimentResult(**report))
+    assert " busy" not in quiet and "other processes" not in quiet
+    for run in report["runs"]:
+        run["train_others_cpu"], run["decode_others_cpu"] = 0.0, 0.0
+    report["runs"][0]["decode_others_cpu"] = 1.2  # heads_1-s1 decoded beside something else
+    title, _, _, _, heads_1, heads_2 = markdown(ExperimentResult(**report)).splitlines()
+    assert "timed while other processes took more than 0.25 CPU cores (speeds marked busy): " \
+           "heads_1-s1 decoding (1.20 cores)" in title
+    assert heads_1.endswith(" busy |") and not heads_1.endswith(" busy | busy |")
+    assert heads_2.endswith("(1.00x) |")  # the baseline's own ratio does not lean on heads_1
 
 
 @pytest.mark.parametrize(("change", "words"), [
@@ -256,5 +277,6 @@ def test_a_classification_experiment_pairs_its_runs_by_mcnemar(tmp_path):
     for run in runs.values():  # the test split's forward passes are timed like translation's decoding
         scored = json.loads((Path(run["run_dir"]) / "eval.json").read_text())
         assert run["decode_per_s"] == scored["examples_per_s"] > 0
+        assert run["decode_others_cpu"] == scored["others_cpu"] >= 0
         assert scored["examples_per_s"] == pytest.approx(scored["n_examples"] / scored["eval_seconds"])
     assert "| test examples/s |" in (tmp_path / "out" / "results.md").read_text()

@@ -18,7 +18,8 @@ A claim xformer cannot measure yet has a [claim] table with `blocked` (what is m
 A check is judged on the per-seed differences d_i = cell - than on the test metric and, where
 `than` is the baseline, on each seed's paired test (sacreBLEU's bootstrap or McNemar). A check
 with `metric = "decode_speed"` or `"train_speed"` compares the runs' timed speeds instead (a
-claimed "3x faster" is `percent = 200`), with no significance test:
+claimed "3x faster" is `percent = 200`), with no significance test, and is inconclusive when a run
+behind it was timed while other processes took more than BUSY_OVER cores (xformer.cpuload):
 
     better / worse   supported    every seed in the claimed direction, significant where tested,
                                   and the mean at least the claimed margin (and at most `up_to`)
@@ -45,12 +46,15 @@ import statistics
 from dataclasses import dataclass
 from typing import Literal
 
+from xformer.cpuload import BUSY_OVER, busy
 from xformer.significance import SIGNIFICANT
 from xformer.strict import did_you_mean, section_from_dict
 
 Expect = Literal["better", "worse", "not_better", "not_worse", "same"]
 Metric = Literal["test", "train_speed", "decode_speed"]
 METRIC_KEYS = {"test": "test", "train_speed": "train_steps_per_s", "decode_speed": "decode_per_s"}  # in results.json
+# the CPU cores other processes took while a speed was timed, in results.json (xformer.cpuload)
+OTHERS_KEYS = {"train_speed": "train_others_cpu", "decode_speed": "decode_others_cpu"}
 
 
 @dataclass
@@ -152,6 +156,13 @@ def judge(check: Check, results: dict) -> Outcome:
     seeds = results["seeds"]
     if any(scores[(c, s)] is None for c in (check.cell, than) for s in seeds):
         return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was not timed in these runs")
+    if check.metric != "test":
+        crowded = [f"{r['cell']}-s{r['seed']} ({r[OTHERS_KEYS[check.metric]]:.2f} cores)" for r in results["runs"]
+                   if r["cell"] in (check.cell, than) and busy(r.get(OTHERS_KEYS[check.metric]))]
+        if crowded:
+            return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was timed while other processes "
+                                                  f"took more than {BUSY_OVER:g} CPU cores: {', '.join(crowded)}; "
+                                                  "rerun those runs alone")
     diffs = [scores[(check.cell, s)] - scores[(than, s)] for s in seeds]
     base = statistics.fmean(scores[(than, s)] for s in seeds)
     margin = check.points or base * check.percent / 100

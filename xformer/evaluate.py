@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
+from xformer.cpuload import busy
 from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.files import atomic_write_text
@@ -47,6 +48,9 @@ def evaluate_run(
     request = EvalRequest(split=split, data=data, checkpoint=checkpoint, device=device, beam=beam, lenpen=lenpen,
                           on_progress=on_progress, quantize=quantize, ctranslate2=ctranslate2)
     result = task.evaluate(run_dir, request)
+    if busy(result.others_cpu):
+        result.warnings = [*(result.warnings or []), f"timed while other processes took {result.others_cpu:.2f} "
+                           "CPU cores: the speed is below what this machine does alone"]
     if baseline is not None:
         result.paired = compare_with(run_dir, result, Path(baseline), request)
     return result

@@ -47,6 +47,7 @@ from pathlib import Path
 from xformer.checkpoint import read_checkpoint_meta
 from xformer.claims import Check, Claim, claim_from_table
 from xformer.config import Recipe
+from xformer.cpuload import BUSY_OVER, busy
 from xformer.data.corpus import load_split
 from xformer.errors import DivergedError, RecipeError, RunError
 from xformer.evaluate import evaluate_run
@@ -63,6 +64,8 @@ from xformer.train import run
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
 SPEEDS = ("train_steps_per_s", "decode_per_s")  # per run, timed on the machine that ran it
+# the CPU cores other processes took while each speed was timed (xformer.cpuload)
+OTHERS = {"train_steps_per_s": "train_others_cpu", "decode_per_s": "decode_others_cpu"}
 TABLES = ("experiment", "claim")
 
 
@@ -236,18 +239,21 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
         if test.get(kind):
             test[kind] = str(run_dir / "eval" / Path(test[kind]).name)
     best = trained["best"] or {}
+    # speeds timed in this experiment only: a --reuse copy was trained elsewhere, and decoded
+    # elsewhere unless it was scored again
+    train_timed = bool(trained.get("loop_seconds")) and copied is None
+    decode_timed = copied is None or copied["rescored"] or scored_here
     return {"cell": cell, "seed": seed, "metric": metric, "test": test[metric], "valid": best.get(metric),
             "best_step": best.get("step"), "steps": trained["steps"], "parameters": trained["parameters"],
             "train_seconds": trained["train_seconds"], "hypotheses": test.get("hypotheses"),
-            # speeds timed in this experiment only: a --reuse copy was trained elsewhere, and decoded
-            # elsewhere unless it was scored again
             # training steps a second, validation excluded (a claim about training speed
             # compares the steps, not how long each model takes to validate)
-            "train_steps_per_s": trained["steps"] / trained["loop_seconds"]
-            if trained.get("loop_seconds") and copied is None else None,
+            "train_steps_per_s": trained["steps"] / trained["loop_seconds"] if train_timed else None,
+            "train_others_cpu": trained.get("others_cpu") if train_timed else None,
             # test sentences decoded (translation) or examples classified a second
             "decode_per_s": test.get("sentences_per_s" if metric == "bleu" else "examples_per_s")
-            if copied is None or copied["rescored"] or scored_here else None,
+            if decode_timed else None,
+            "decode_others_cpu": test.get("others_cpu") if decode_timed else None,
             "predictions": test.get("predictions"), "copied_from": copied and copied["source"],
             "run_dir": str(run_dir)}
 
@@ -282,11 +288,13 @@ def _score_diverged(experiment: Experiment, run_dir: Path, cell: str, seed: int,
         metric, kind, path = "accuracy", "predictions", out / "diverged.pred"
     atomic_write_text(path, "\n" * n)
     progress = _diverged_progress(run_dir) or {}  # the steps it took until it stopped
-    loop = progress.get("loop_seconds")
+    loop, others = progress.get("loop_seconds"), progress.get("others_cpu_seconds")
     return {"cell": cell, "seed": seed, "metric": metric, "test": 0.0, "valid": None, "best_step": None,
             "steps": step, "parameters": parameter_count(recipe), "train_seconds": progress.get("seconds", 0.0),
             "hypotheses": None, "predictions": None, kind: str(path),
             "train_steps_per_s": step / loop if loop else None, "decode_per_s": None,
+            "train_others_cpu": others / progress["seconds"] if loop and others is not None else None,
+            "decode_others_cpu": None,
             "copied_from": None, "diverged_at": step, "run_dir": str(run_dir)}
 
 
@@ -360,6 +368,11 @@ def markdown(result: ExperimentResult) -> str:
     diverged = [f"{r['cell']}-s{r['seed']} at step {r['diverged_at']}" for r in result.runs if r.get("diverged_at")]
     if diverged:
         speeds += (f"; diverged (the loss stayed non-finite), scored as an empty output: {', '.join(diverged)}")
+    crowded = [f"{r['cell']}-s{r['seed']} {what} ({r[OTHERS[speed]]:.2f} cores)" for r in result.runs
+               for speed, what in zip(SPEEDS, ("training", "decoding"), strict=True) if busy(r.get(OTHERS[speed]))]
+    if crowded:
+        speeds += (f"; timed while other processes took more than {BUSY_OVER:g} CPU cores (speeds marked busy): "
+                   f"{', '.join(crowded)}")
     per_s = "decode sentences/s" if result.metric == "bleu" else "test examples/s"
     lines = [f"test {result.metric} (mean +- std over seeds {', '.join(map(str, result.seeds))}), "
              f"{result.budget_per_run} per run; baseline {result.baseline}{speeds}", "",
@@ -373,16 +386,19 @@ def markdown(result: ExperimentResult) -> str:
         significant = f"{c['significant_seeds']} of {len(result.seeds)} seeds" if "significant_seeds" in c else ""
         lines.append(f"| {c['cell']} | {' '.join(c['sets']) or '(recipe)'} | {c['test_mean']:.2f} +- "
                      f"{c['test_std']:.2f} | {valid} | {diff} | {significant} | {c['parameters']:,} | "
-                     f"{_speed(c, base, 'train_steps_per_s')} | {_speed(c, base, 'decode_per_s')} |")
+                     f"{_speed(c, base, 'train_steps_per_s', result.runs)} | "
+                     f"{_speed(c, base, 'decode_per_s', result.runs)} |")
     return "\n".join(lines) + "\n"
 
 
-def _speed(cell: dict, base: dict, speed: str) -> str:
-    """A cell's mean speed and its ratio to the baseline's, e.g. "3.21 (1.08x)"."""
+def _speed(cell: dict, base: dict, speed: str, runs: list[dict]) -> str:
+    """A cell's mean speed and its ratio to the baseline's, e.g. "3.21 (1.08x)", marked busy when
+    one of the runs behind either was timed beside other work."""
     mine, theirs = cell.get(f"{speed}_mean"), base.get(f"{speed}_mean")
     if mine is None:
         return "n/a"
-    return f"{mine:.3g}" + (f" ({mine / theirs:.2f}x)" if theirs else "")
+    crowded = any(busy(r.get(OTHERS[speed])) for r in runs if r["cell"] in (cell["cell"], base["cell"]))
+    return f"{mine:.3g}" + (f" ({mine / theirs:.2f}x)" if theirs else "") + (" busy" if crowded else "")
 
 
 def _write(result: ExperimentResult, out_dir: Path) -> None:

@@ -40,6 +40,7 @@ class TranslationEval(Result):
     decode_seconds: float
     sentences_per_s: float
     hypotheses: str  # the file of hypotheses, one per line
+    others_cpu: float | None = None  # mean CPU cores other processes took while it decoded (xformer.cpuload)
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
     engine: str | None = None  # "ctranslate2" when an exported model decoded
     card: dict | None = None  # what reproducing the score needs (xformer.runcard)
@@ -63,6 +64,7 @@ class ClassificationEval(Result):
     confusion: list[list[int]] | None = None  # [true][predicted]; None above 20 classes
     eval_seconds: float | None = None  # the forward passes over the split, timed
     examples_per_s: float | None = None
+    others_cpu: float | None = None  # mean CPU cores other processes took while it classified (xformer.cpuload)
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
     card: dict | None = None  # what reproducing the score needs (xformer.runcard)
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read

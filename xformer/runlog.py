@@ -32,6 +32,7 @@ class Progress:
     compute_seconds: float = 0.0
     data_seconds: float = 0.0
     loop_seconds: float = 0.0
+    others_cpu_seconds: float = 0.0  # CPU other processes took from this run (xformer.cpuload)
     tokens: int = 0
     skipped_steps: int = 0  # steps whose loss or gradients were not finite, so not taken
     peak_memory_mb: float = 0.0

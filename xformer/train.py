@@ -35,6 +35,7 @@ from xformer.checkpoint import (
 )
 from xformer.compiling import compiled_forward
 from xformer.config import Recipe
+from xformer.cpuload import OtherLoad
 from xformer.distributed import Cluster, cluster_from_env
 from xformer.errors import DivergedError, RunError
 from xformer.events import Event, ignore
@@ -81,6 +82,8 @@ class TrainResult:
     skipped_steps: int = 0  # not finite, so not taken (Runtime.step)
     card: dict = field(default_factory=dict)  # what reproducing the run needs (xformer.runcard)
     stop_signal: str = ""  # the signal that interrupted it, e.g. "SIGTERM"
+    # mean CPU cores other processes took while it trained (xformer.cpuload); None: not measurable
+    others_cpu: float | None = None
 
     @property
     def loop_overhead(self) -> float:
@@ -276,6 +279,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         if not cluster.writer:
             return
         progress.seconds = elapsed()
+        progress.others_cpu_seconds += others.take()
         progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
         progress.log_line = line.state(now)
         meta = {**stamp, "progress": asdict(progress), "stop_reason": stop_reason}
@@ -284,6 +288,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                         previous=last.with_name("previous.safetensors"))
 
     line = LogLine(rt.device, progress.log_line, retrying=retrying)
+    others = OtherLoad()
     model.train()
     memory = PeakMemory(rt.device) if measure_memory else allocator_peak(rt.device)
     with signals, memory:
@@ -385,6 +390,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
         card={**card, "wall_seconds": time.perf_counter() - started, "processes": cluster.world},
         stop_signal=signals.name,
+        others_cpu=progress.others_cpu_seconds / max(progress.seconds, 1e-9) if others.available else None,
     )
     if cluster.writer:
         atomic_write_text(out_dir / "train.json",

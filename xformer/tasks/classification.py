@@ -21,6 +21,7 @@ import torch
 import torch.nn.functional as F
 
 from xformer.config import Recipe
+from xformer.cpuload import OtherLoad
 from xformer.data.classify import ClassBatches, Examples, TextEncoder, collate_tokens, fit_vocab
 from xformer.data.corpus import load_split
 from xformer.data.tokenizer import train_tokenizer
@@ -154,9 +155,9 @@ class ClassificationTask(Task):
         quantize = request.quantize or self.recipe.eval.quantize or None  # --quantize, else the recipe's
         model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=quantize)
         examples, name = self.examples(request.split, request.data)
-        started = time.perf_counter()
+        started, others = time.perf_counter(), OtherLoad()
         predicted, total = predict_classes(model, examples, self.recipe.data.max_tokens, rt)
-        seconds = time.perf_counter() - started
+        seconds, others_cpu = time.perf_counter() - started, others.cores()
         n = len(examples)
         out_dir = Path(run_dir) / "eval"
         stem = f"{name}.{checkpoint}{'.' + quantize if quantize else ''}"
@@ -165,7 +166,7 @@ class ClassificationTask(Task):
             task=self.recipe.data.task, split=name, checkpoint=checkpoint, labels=self.labels,
             majority_accuracy=100.0 * float(np.bincount(examples.labels).max() / n) if n else 0.0,
             predictions=str(out_dir / f"{stem}.pred"), quantize=quantize,
-            eval_seconds=seconds, examples_per_s=n / max(seconds, 1e-9),
+            eval_seconds=seconds, examples_per_s=n / max(seconds, 1e-9), others_cpu=others_cpu,
             confusion=(confusion_matrix(predicted, examples.labels, len(self.labels))
                        if len(self.labels) <= CONFUSION_MAX_CLASSES else None))
         result.card, result.warnings = self.eval_card(run_dir, rt, request.split or self.test_split(), request.data)

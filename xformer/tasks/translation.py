@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from xformer.config import DistillConfig, Recipe, TrainConfig
+from xformer.cpuload import OtherLoad
 from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
@@ -252,7 +253,7 @@ class TranslationTask(Task):
             if request.on_progress:
                 request.on_progress(done, len(sources))
 
-        started = time.perf_counter()
+        started, others = time.perf_counter(), OtherLoad()
         if request.ctranslate2:
             e = recipe.eval
             pieces = [self.tokenizer.piece(i, "source") for i in range(self.tokenizer.vocab_size("source"))]
@@ -263,7 +264,7 @@ class TranslationTask(Task):
         else:
             ids = translate_ids(model, sources, recipe, rt, beam=beam, lenpen=lenpen, on_batch=tick)
         hyps = self.tokenizer.decode(ids, "target")
-        seconds = time.perf_counter() - started
+        seconds, others_cpu = time.perf_counter() - started, others.cores()
         scores = translation_scores(hyps, list(raw[d.target_lang]))
         name = eval_name(split, request.data, [raw[d.source_lang], raw[d.target_lang]])
         out_dir = Path(run_dir) / "eval"
@@ -272,7 +273,7 @@ class TranslationTask(Task):
         result = TranslationEval(
             **scores, data=spec, split=split if request.data is None else None, checkpoint=checkpoint, beam=beam,
             lenpen=lenpen, decode_seconds=seconds, sentences_per_s=len(hyps) / max(seconds, 1e-9),
-            hypotheses=str(out_dir / f"{stem}.hyp"), quantize=quantize,
+            hypotheses=str(out_dir / f"{stem}.hyp"), quantize=quantize, others_cpu=others_cpu,
             engine="ctranslate2" if request.ctranslate2 else None)
         result.card, result.warnings = self.eval_card(run_dir, rt, split, request.data)
         result.card["wall_seconds"] = time.perf_counter() - started
