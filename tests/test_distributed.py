@@ -5,17 +5,15 @@ plan that cannot be shared."""
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.processes import launch, run_once, train_command
 from xformer.checkpoint import read_checkpoint
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "translation" / "multi30k_de_en.toml"
 # no dropout: each process draws its own masks, so only dropout-free runs can agree tensor for tensor
 TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
         "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=256", "train.warmup_steps=4",
@@ -25,20 +23,11 @@ TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder
 
 
 def command(corpus: Path, out: Path, *extra: str) -> list[str]:
-    sets = [arg for value in [*TINY, f"data.dataset={json.dumps(str(corpus))}", *extra] for arg in ("--set", value)]
-    return ["train", str(RECIPE), *sets, "--out", str(out), "--device", "cpu"]
+    return train_command(TINY, corpus, out, *extra)
 
 
 def torchrun(args: list[str], processes: int = 2) -> subprocess.Popen:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={processes}",
-                "-m", "xformer_cli"]
-    return subprocess.Popen(launcher + args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-
-
-def one_process(args: list[str]) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "xformer_cli", *args], capture_output=True, text=True, timeout=300,
-                          env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return launch(args, processes)
 
 
 def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_batch(corpus, tmp_path):
@@ -48,7 +37,7 @@ def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_bat
     model included) the weights agree to 1e-5, the logged losses too, and only process 0
     wrote: one line per record in metrics.jsonl."""
     extra = ["train.accumulate_steps=2", "train.max_steps=16", "data.max_tokens=1024", "train.log_every=1"]
-    single = one_process(command(corpus, tmp_path / "one", *extra))
+    single = run_once(command(corpus, tmp_path / "one", *extra))
     assert single.returncode == 0, single.stderr
     pair = torchrun(command(corpus, tmp_path / "two", *extra))
     _, err = pair.communicate(timeout=300)

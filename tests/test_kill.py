@@ -8,18 +8,16 @@ import os
 import random
 import signal
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.processes import RECIPE, launch, train_command
 from xformer.checkpoint import read_checkpoint
 from xformer.runlog import truncate_metrics
 
-ROOT = Path(__file__).resolve().parents[1]
-RECIPE = ROOT / "recipes" / "translation" / "multi30k_de_en.toml"
 TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
         "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=512", "train.warmup_steps=10",
         "train.lr=3e-3", "model.dropout=0.3", 'train.precision="fp32"', "eval.beam=2", "eval.batch_sentences=16",
@@ -30,10 +28,7 @@ TIMING = ("seconds", "tokens_per_s", "decode_seconds")  # how fast, not what: th
 
 
 def start(corpus: Path, out: Path, *extra: str, resume: bool = False) -> subprocess.Popen:
-    sets = [arg for value in [*TINY, f"data.dataset={json.dumps(str(corpus))}", *extra] for arg in ("--set", value)]
-    command = [sys.executable, "-m", "xformer_cli", "train", str(RECIPE), *sets, "--out", str(out), "--device", "cpu"]
-    return subprocess.Popen(command + (["--resume"] if resume else []), stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    return launch(train_command(TINY, corpus, out, *extra) + (["--resume"] if resume else []))
 
 
 def kill_when(process: subprocess.Popen, ready, timeout: float = 120.0) -> bool:
