@@ -73,6 +73,13 @@ def test_cores_left_spare_absorb_what_others_use():
         torch.set_num_threads(before)
 
 
+def test_a_span_too_short_for_the_clock_ticks_says_nothing():
+    meter = OtherLoad()
+    time.sleep(0.1)
+    assert meter.cores() is None  # ten ticks a CPU at most: a stray one would read as 0.1 cores
+    assert meter.available
+
+
 def test_without_proc_stat_nothing_is_claimed(monkeypatch, tmp_path):
     monkeypatch.setattr(cpuload, "PROC_STAT", tmp_path / "absent")
     meter = OtherLoad()

@@ -337,7 +337,7 @@ def test_cli_inspects_prunes_and_saves_a_translation_model(translation_run, tmp_
     assert saved["parameters"] < saved["parameters_before"]
     evaluated = invoke("eval", pruned, "--json")  # the pruned run is a run `xformer eval` loads
     assert evaluated.exit_code == 0, evaluated.output
-    assert json.loads(evaluated.output)["bleu"] == pytest.approx(saved["metric"], abs=1e-6)
+    assert json.loads(evaluated.stdout)["bleu"] == pytest.approx(saved["metric"], abs=1e-6)
     again = invoke("inspect-heads", translation_run, "--out", out, "--n-examples", 5, "--save-pruned", pruned)
     assert again.exit_code == 2 and "not empty" in again.output  # nothing is overwritten
     assert invoke("inspect-heads", tmp_path / "missing").exit_code == 2

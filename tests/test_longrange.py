@@ -34,14 +34,14 @@ def test_train_then_eval_a_recall_classifier(tmp_path):
     sets = [x for s in TINY + ["train.max_steps=30"] for x in ("--set", s)]
     result = invoke("train", RECALL, "--out", out, *sets, "--device", "cpu", "--json")
     assert result.exit_code == 0, result.output
-    summary = json.loads(result.output.strip().splitlines()[-1])
+    summary = json.loads(result.stdout.strip().splitlines()[-1])
     assert summary["steps"] == 30 and "best valid accuracy" in summary
     records = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if r["kind"] == "train"]
     assert losses[-1] < losses[0]
     result = invoke("eval", out, "--split", "valid", "--json")
     assert result.exit_code == 0, result.output
-    report = json.loads(result.output)
+    report = json.loads(result.stdout)
     best = json.loads((out / "train.json").read_text())["best"]
     assert report["accuracy"] == pytest.approx(best["accuracy"])  # eval agrees with validation during training
     confusion = np.array(report["confusion"])
@@ -142,7 +142,7 @@ valid_every = 20
 def test_a_user_jsonl_corpus_trains_and_scores(tmp_path, reviews, tokenizer):
     out = tmp_path / "run"
     assert invoke("train", user_recipe(tmp_path, reviews, tokenizer), "--out", out).exit_code == 0
-    report = json.loads(invoke("eval", out, "--json").output)
+    report = json.loads(invoke("eval", out, "--json").stdout)
     assert report["labels"] == ["neg", "pos"] and report["n_examples"] == 40
     if tokenizer == "whitespace":  # a bag of telling words: easy once trained
         assert report["accuracy"] >= 90

@@ -454,7 +454,7 @@ def test_average_command_reproduces_the_trainers_average_and_never_overwrites(tr
     out, _ = trained
     result = runner.invoke(app, ["average", str(out), "--last", "2", "--name", "avg2", "--json"])
     assert result.exit_code == 0, result.output
-    assert json.loads(result.output)["steps"] == [30, 40]
+    assert json.loads(result.stdout)["steps"] == [30, 40]
     mine, meta = read_checkpoint(out / "checkpoints" / "avg2.safetensors")
     trainers, _ = read_checkpoint(out / "checkpoints" / "averaged.safetensors")
     assert mine.keys() == trainers.keys() and meta["recipe"]["train"]["average_last"] == 2
@@ -466,4 +466,4 @@ def test_average_command_reproduces_the_trainers_average_and_never_overwrites(tr
     assert more.exit_code == 2 and "2 step checkpoints kept, last = 3" in more.output
     scored = runner.invoke(app, ["eval", str(out), "--checkpoint", "avg2", "--split", "validation", "--json"])
     assert scored.exit_code == 0, scored.output
-    assert json.loads(scored.output)["checkpoint"] == "avg2"
+    assert json.loads(scored.stdout)["checkpoint"] == "avg2"

@@ -5,7 +5,7 @@ A speed measured while another job runs on the same cores is slower without sayi
 (training steps, decoding, classifying) carries `others_cpu`: the mean number of cores that other
 processes (and the hypervisor, as steal time) kept busy beyond the ones this process left idle,
 read from /proc/stat over the CPUs this process may run on. 0 on a quiet machine; None where
-/proc/stat is not there (macOS, Windows).
+/proc/stat is not there (macOS, Windows) or the timing lasted under a second.
 
     cores allowed   A = len(os.sched_getaffinity(0))
     spare           A - torch.get_num_threads()        (cores this process does not try to use)
@@ -23,6 +23,9 @@ import torch
 
 PROC_STAT = Path("/proc/stat")
 BUSY_OVER = 0.25  # cores: a timing with more taken by others was made on a busy machine
+# /proc/stat counts in clock ticks (10 ms a CPU): below a second a few stray ticks read as a
+# busy machine, so shorter timings say nothing (a speed that short says little anyway)
+MIN_SECONDS = 1.0
 
 
 def _allowed_cpus() -> set[int]:
@@ -68,11 +71,11 @@ class OtherLoad:
         return taken
 
     def cores(self) -> float | None:
-        """Mean cores taken by others since the last take (None where not measurable); starts
-        the next span."""
+        """Mean cores taken by others since the last take; None where not measurable, or when
+        the span was shorter than MIN_SECONDS. Starts the next span."""
         wall = time.perf_counter() - self._wall
         taken = self.take()
-        return taken / max(wall, 1e-9) if self.available else None
+        return taken / wall if self.available and wall >= MIN_SECONDS else None
 
 
 def busy(others_cpu: float | None) -> bool:

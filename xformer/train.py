@@ -35,7 +35,7 @@ from xformer.checkpoint import (
 )
 from xformer.compiling import compiled_forward
 from xformer.config import Recipe
-from xformer.cpuload import OtherLoad
+from xformer.cpuload import MIN_SECONDS, OtherLoad
 from xformer.distributed import Cluster, cluster_from_env
 from xformer.errors import DivergedError, RunError
 from xformer.events import Event, ignore
@@ -390,7 +390,8 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
         card={**card, "wall_seconds": time.perf_counter() - started, "processes": cluster.world},
         stop_signal=signals.name,
-        others_cpu=progress.others_cpu_seconds / max(progress.seconds, 1e-9) if others.available else None,
+        others_cpu=progress.others_cpu_seconds / progress.seconds
+        if others.available and progress.seconds >= MIN_SECONDS else None,
     )
     if cluster.writer:
         atomic_write_text(out_dir / "train.json",
