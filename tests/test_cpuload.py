@@ -1,6 +1,7 @@
 """The CPU other processes take while xformer times something: a real competing process is
 seen, this process's own work is not, and a machine without /proc/stat says it cannot tell."""
 
+import json
 import subprocess
 import sys
 import time
@@ -8,8 +9,10 @@ import time
 import pytest
 import torch
 
+from tests.test_train import tiny_recipe
 from xformer import cpuload
 from xformer.cpuload import OtherLoad, busy
+from xformer.train import run
 
 pytestmark = pytest.mark.skipif(not cpuload.PROC_STAT.is_file(), reason="/proc/stat is Linux's")
 
@@ -71,6 +74,19 @@ def test_cores_left_spare_absorb_what_others_use():
             spinner.wait()
     finally:
         torch.set_num_threads(before)
+
+
+def test_a_run_trained_beside_spinning_processes_records_them(corpus, tmp_path, every_core_mine):
+    spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in cpuload._allowed_cpus()]
+    try:
+        time.sleep(0.3)
+        result = run(tiny_recipe(corpus, "train.max_steps=20", "train.valid_every=10"), tmp_path / "r", device="cpu")
+    finally:
+        for spinner in spinners:
+            spinner.kill()
+            spinner.wait()
+    assert result.train_seconds >= cpuload.MIN_SECONDS and busy(result.others_cpu)
+    assert json.loads((tmp_path / "r" / "train.json").read_text())["others_cpu"] == result.others_cpu
 
 
 def test_a_span_too_short_for_the_clock_ticks_says_nothing():

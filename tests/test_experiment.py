@@ -86,8 +86,9 @@ def test_every_cell_and_seed_is_an_ordinary_run_and_the_summary_is_their_scores(
         assert cell["decode_per_s_mean"] == pytest.approx(statistics.fmean(r["decode_per_s"] for r in runs))
         for r in runs:  # the CPU other processes took beside each timing, as the run recorded it
             trained, scored = (json.loads((Path(r["run_dir"]) / n).read_text()) for n in ("train.json", "eval.json"))
-            assert r["train_others_cpu"] == trained["others_cpu"] and r["train_others_cpu"] is not None
-            assert r["decode_others_cpu"] == scored["others_cpu"]  # None when decoding took under a second
+            # (left out of the files, and None here, when the timing lasted under a second)
+            assert r["train_others_cpu"] == trained.get("others_cpu")
+            assert r["decode_others_cpu"] == scored.get("others_cpu")
         assert cell["test_std"] == pytest.approx(statistics.stdev(tests))
     heads_1 = report["cells"][0]
     assert [p["seed"] for p in heads_1["paired"]] == [1, 2] and "paired" not in report["cells"][1]
@@ -277,6 +278,6 @@ def test_a_classification_experiment_pairs_its_runs_by_mcnemar(tmp_path):
     for run in runs.values():  # the test split's forward passes are timed like translation's decoding
         scored = json.loads((Path(run["run_dir"]) / "eval.json").read_text())
         assert run["decode_per_s"] == scored["examples_per_s"] > 0
-        assert run["decode_others_cpu"] == scored["others_cpu"]
+        assert run["decode_others_cpu"] == scored.get("others_cpu")
         assert scored["examples_per_s"] == pytest.approx(scored["n_examples"] / scored["eval_seconds"])
     assert "| test examples/s |" in (tmp_path / "out" / "results.md").read_text()
