@@ -73,7 +73,8 @@ def evaluate(
 def show_translation(run: Path, result: TranslationEval) -> None:
     rows = {"bleu": result.bleu, "bleu_lc": result.bleu_lc, "chrf": result.chrf, "n_sentences": result.n_sentences,
             "checkpoint": result.checkpoint, "beam": result.beam, "lenpen": result.lenpen,
-            "sentences/s": result.sentences_per_s, **({"quantize": result.quantize} if result.quantize else {})}
+            "sentences/s": result.sentences_per_s, **({"quantize": result.quantize} if result.quantize else {}),
+            **({"KV cache MB": result.kv_cache_mb} if result.kv_cache_mb is not None else {})}
     stdout.print(score_table(f"{run}: {result.split or result.data}", rows))
     stdout.print(f"[dim]{result.signature}[/dim]\n[dim]hypotheses: {result.hypotheses}[/dim]")
     if result.paired:

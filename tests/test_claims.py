@@ -109,6 +109,21 @@ def test_a_speed_timed_beside_other_work_judges_nothing():
     assert judge(check, data).verdict == "supported"
 
 
+def test_a_memory_check_reads_the_kv_cache_as_larger_or_smaller():
+    data = results({"base": BASE, "mqa": [9.0, 11.0]}, {"mqa": [0.01, 0.01]})
+    for run, mb in zip(data["runs"], [8.0, 8.0, 2.0, 2.0], strict=True):
+        run["decode_cache_mb"] = mb
+    check = Check("mqa", "worse", percent=70, up_to=80, metric="decode_memory")  # a 4-head cache cut 4-fold
+    outcome = judge(check, data)
+    assert outcome.verdict == "supported", outcome.reason
+    assert "decode_cache_mb per seed: -6.00 (-75.0%), -6.00 (-75.0%) (measured; no significance test)" in outcome.reason
+    assert "smaller in every seed" in outcome.reason
+    assert describe(check, "base") == "mqa in decode memory smaller than base by 70% to 80%"
+    assert judge(Check("mqa", "worse", percent=80, metric="decode_memory"), data).verdict == "contradicted"
+    data["runs"][0]["decode_cache_mb"] = None  # a run scored before the cache was measured
+    assert "decode memory was not measured" in judge(check, data).reason
+
+
 def test_a_claim_depends_when_its_parts_disagree_and_fails_with_a_failed_part():
     data = results({"base": BASE, "a": [11.0, 13.0], "b": [9.0, 11.0]}, {"a": [0.01, 0.01], "b": [0.01, 0.01]})
     up, down = (judge(Check(c, "better"), data) for c in ("a", "b"))

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from xformer.config import ModelConfig
-from xformer.decode import beam_search, greedy_decode, sequence_logprob
+from xformer.decode import DecodeStats, beam_search, greedy_decode, sequence_logprob
 from xformer.model.build import build_model
 
 D, V = 32, 13
@@ -260,3 +260,23 @@ def test_beam_search_leaves_the_encoder_keys_in_place_while_no_sentence_leaves(m
     monkeypatch.setattr(DecoderCache, "reorder", spy)
     assert beam_search(model, src, beam=3) == before
     assert None in calls and True not in calls  # within sentences: untouched; when one leaves: its rows
+
+
+@pytest.mark.parametrize("beam", [1, 3])
+@pytest.mark.parametrize("kv_heads", [4, 2, 1])
+def test_the_kv_cache_holds_k_heads_of_keys_and_values_and_no_more(kv_heads, beam):
+    """At its largest (the first step with every sentence's rows: B greedy, B*k in a beam)
+    the cache holds, in each decoder layer, keys and values of K heads over the preallocated
+    positions (max_len + BOS) and the source's: MQA's is H times smaller than MHA's."""
+    torch.manual_seed(0)
+    cfg = ModelConfig(d_model=D, n_heads=4, n_kv_heads=kv_heads, d_ff=64, n_encoder_layers=2, n_decoder_layers=2,
+                      dropout=0.0)
+    model = build_model(cfg, V, pad_id=PAD).eval()
+    src, stats = sources(), DecodeStats()
+    if beam == 1:
+        greedy_decode(model, src, max_len_a=0.0, max_len_b=6, stats=stats)
+    else:
+        beam_search(model, src, beam=beam, max_len_a=0.0, max_len_b=6, stats=stats)
+    rows, source = src.size(0) * beam, src.size(1)
+    layers, tensors, fp32 = 2, 2, 4  # decoder layers; keys and values; bytes a number
+    assert stats.cache_bytes == layers * tensors * rows * kv_heads * (D // 4) * ((6 + 1) + source) * fp32

@@ -173,22 +173,27 @@ def test_a_cell_that_only_decodes_otherwise_scores_a_copy_again(done, corpus, tm
     assert cells["heads_2"]["decode_per_s_mean"] is None and cells["heads_2"]["train_steps_per_s_mean"] is None
     title, _, header, _, int8, heads_2 = (tmp_path / "out" / "results.md").read_text().splitlines()
     assert "n/a where not taken here (heads_2-s1, heads_2-s2, int8-s1, int8-s2: copies by --reuse)" in title
-    assert header.endswith("| train steps/s | decode sentences/s |")
-    assert int8.endswith("| n/a | " + f"{cells['int8']['decode_per_s_mean']:.3g} |")  # no baseline speed to divide by
+    assert header.endswith("| train steps/s | decode sentences/s | KV cache MB |")
+    train, decode, cache = (column.strip() for column in int8.strip("|").split("|")[-3:])
+    # no baseline speed to divide by (" busy" follows where this machine was busy meanwhile)
+    assert train == "n/a" and decode.split()[0] == f"{cells['int8']['decode_per_s_mean']:.3g}" and "x)" not in decode
+    ratio = cells["int8"]["decode_cache_mb_mean"] / cells["heads_2"]["decode_cache_mb_mean"]
+    assert cache == f"{cells['int8']['decode_cache_mb_mean']:.3g} ({ratio:.2f}x)"  # copies' caches are measured
 
 
 def test_a_speed_timed_beside_other_work_is_marked_busy(done):
     report = deepcopy(done[2])
+    for run in report["runs"]:  # a quiet machine, whatever ran beside these tests
+        run["train_others_cpu"], run["decode_others_cpu"] = 0.0, 0.0
     quiet = markdown(ExperimentResult(**report))
     assert " busy" not in quiet and "other processes" not in quiet
-    for run in report["runs"]:
-        run["train_others_cpu"], run["decode_others_cpu"] = 0.0, 0.0
     report["runs"][0]["decode_others_cpu"] = 1.2  # heads_1-s1 decoded beside something else
     title, _, _, _, heads_1, heads_2 = markdown(ExperimentResult(**report)).splitlines()
     assert "timed while other processes took more than 0.25 CPU cores (speeds marked busy): " \
            "heads_1-s1 decoding (1.20 cores)" in title
-    assert heads_1.endswith(" busy |") and not heads_1.endswith(" busy | busy |")
-    assert heads_2.endswith("(1.00x) |")  # the baseline's own ratio does not lean on heads_1
+    train, decode, cache = (column.strip() for column in heads_1.strip("|").split("|")[-3:])
+    assert decode.endswith(" busy") and not train.endswith("busy") and not cache.endswith("busy")
+    assert heads_2.strip("|").split("|")[-2].strip().endswith("(1.00x)")  # the baseline's own ratio stands
 
 
 @pytest.mark.parametrize(("change", "words"), [

@@ -19,7 +19,9 @@ A check is judged on the per-seed differences d_i = cell - than on the test metr
 `than` is the baseline, on each seed's paired test (sacreBLEU's bootstrap or McNemar). A check
 with `metric = "decode_speed"` or `"train_speed"` compares the runs' timed speeds instead (a
 claimed "3x faster" is `percent = 200`), with no significance test, and is inconclusive when a run
-behind it was timed while other processes took more than BUSY_OVER cores (xformer.cpuload):
+behind it was timed while other processes took more than BUSY_OVER cores (xformer.cpuload);
+`metric = "decode_memory"` compares the decoder's KV cache at its largest, where "better" and
+"worse" read as larger and smaller (a cache cut h-fold by 4 heads is `worse`, `percent = 75`):
 
     better / worse   supported    every seed in the claimed direction, significant where tested,
                                   and the mean at least the claimed margin (and at most `up_to`)
@@ -51,8 +53,10 @@ from xformer.significance import SIGNIFICANT
 from xformer.strict import did_you_mean, section_from_dict
 
 Expect = Literal["better", "worse", "not_better", "not_worse", "same"]
-Metric = Literal["test", "train_speed", "decode_speed"]
-METRIC_KEYS = {"test": "test", "train_speed": "train_steps_per_s", "decode_speed": "decode_per_s"}  # in results.json
+Metric = Literal["test", "train_speed", "decode_speed", "decode_memory"]
+METRIC_KEYS = {"test": "test", "train_speed": "train_steps_per_s", "decode_speed": "decode_per_s",
+               "decode_memory": "decode_cache_mb"}  # in results.json
+SIZES = ("decode_memory",)  # where better / worse mean larger / smaller
 # the CPU cores other processes took while a speed was timed, in results.json (xformer.cpuload)
 OTHERS_KEYS = {"train_speed": "train_others_cpu", "decode_speed": "decode_others_cpu"}
 
@@ -155,8 +159,9 @@ def judge(check: Check, results: dict) -> Outcome:
     scores = {(r["cell"], r["seed"]): r.get(METRIC_KEYS[check.metric]) for r in results["runs"]}
     seeds = results["seeds"]
     if any(scores[(c, s)] is None for c in (check.cell, than) for s in seeds):
-        return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was not timed in these runs")
-    if check.metric != "test":
+        how = "measured" if check.metric in SIZES else "timed"
+        return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was not {how} in these runs")
+    if check.metric in OTHERS_KEYS:
         crowded = [f"{r['cell']}-s{r['seed']} ({r[OTHERS_KEYS[check.metric]]:.2f} cores)" for r in results["runs"]
                    if r["cell"] in (check.cell, than) and busy(r.get(OTHERS_KEYS[check.metric]))]
         if crowded:
@@ -171,7 +176,7 @@ def judge(check: Check, results: dict) -> Outcome:
     timed = check.metric != "test"
     p_values = _p_values(results, check.cell) if than == results["baseline"] and not timed else None
     tested = (f" (paired p {', '.join(f'{p:.3f}' for p in p_values)})" if p_values is not None
-              else " (timed; no significance test)" if timed
+              else f" ({'measured' if check.metric in SIZES else 'timed'}; no significance test)" if timed
               else " (no paired test: neither cell is the baseline)" if than != results["baseline"] else "")
     significant = p_values is None or all(p < SIGNIFICANT for p in p_values)
     shown = ", ".join(_relative(d, base) for d in diffs)
@@ -179,7 +184,7 @@ def judge(check: Check, results: dict) -> Outcome:
     mean = statistics.fmean(diffs)
 
     def out(verdict, why):
-        return Outcome(check, verdict, f"{said}; {why}")
+        return Outcome(check, verdict, f"{said}; {_in_words(check, why)}")
 
     if check.expect in ("better", "worse"):
         sign = 1 if check.expect == "better" else -1
@@ -219,6 +224,13 @@ def judge(check: Check, results: dict) -> Outcome:
     return out("inconclusive", f"not within {claimed} in every seed, nor consistently outside it")
 
 
+def _in_words(check: Check, text: str) -> str:
+    """A size (memory) is larger or smaller, not better or worse."""
+    if check.metric not in SIZES:
+        return text
+    return text.replace("better", "larger").replace("worse", "smaller")
+
+
 def claimed_gap(check: Check) -> str:
     """The check's margin in words: "0.5%", "1", "15% to 20%"; "0" without one."""
     unit = "%" if check.percent else ""
@@ -229,7 +241,7 @@ def claimed_gap(check: Check) -> str:
 def describe(check: Check, baseline: str) -> str:
     """What the check says, e.g. "gelu better than relu by 0.5% to 1%"."""
     speed = "" if check.metric == "test" else f" in {check.metric.replace('_', ' ')}"
-    words = f"{check.cell}{speed} {check.expect.replace('_', ' ')} than {check.than or baseline}"
+    words = f"{check.cell}{speed} {_in_words(check, check.expect.replace('_', ' '))} than {check.than or baseline}"
     if not (check.percent or check.points):
         return words
     how = {"same": "within", "not_worse": "allowing"}.get(check.expect, "by")

@@ -26,14 +26,25 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 from xformer.config import Recipe
 from xformer.data.batching import collate_source
-from xformer.model.transformer import Seq2Seq
+from xformer.model.transformer import DecoderCache, Seq2Seq
 from xformer.runtime import Runtime
+
+
+@dataclass
+class DecodeStats:
+    """What decoding used besides time, filled in as it goes."""
+
+    cache_bytes: int = 0  # the most bytes the decoder's key/value caches held at once (one batch)
+
+    def saw(self, cache: DecoderCache) -> None:
+        self.cache_bytes = max(self.cache_bytes, cache.nbytes)
 
 
 @contextlib.contextmanager
@@ -65,7 +76,7 @@ def _ban_(lprobs: Tensor, step: int, min_len: int, bos_id: int, eos_id: int, pad
 @torch.inference_mode()
 def greedy_decode(
     model: Seq2Seq, src: Tensor, *, max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
-    bos_id: int = 2, eos_id: int = 3, pad_id: int = 0,
+    bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, stats: DecodeStats | None = None,
 ) -> list[list[int]]:
     """The most probable next token at every step, a batch at a time, one token per step
     through the KV cache. src: (B, S) right-padded ids -> B token lists (no BOS, no EOS).
@@ -84,6 +95,8 @@ def greedy_decode(
         prev = src.new_full((b, 1), bos_id)
         for step in range(longest + 1):
             logits = model.decode(prev, memory, memory_pad, cache)[:, -1].float()  # (n, V)
+            if stats is not None:
+                stats.saw(cache)
             _ban_(logits, step, min_len, bos_id, eos_id, pad_id)
             token = logits.argmax(dim=-1)  # (n,)
             token = torch.where(limit <= step, eos_id, token)  # forced, whatever EOS's probability
@@ -104,6 +117,7 @@ def greedy_decode(
 def beam_search(
     model: Seq2Seq, src: Tensor, *, beam: int = 5, lenpen: float = 1.0, max_len_a: float = 1.2,
     max_len_b: int = 10, min_len: int = 0, bos_id: int = 2, eos_id: int = 3, pad_id: int = 0,
+    stats: DecodeStats | None = None,
 ) -> list[list[int]]:
     """Beam search as fairseq's SequenceGenerator does it. src: (B, S) right-padded ids ->
     for each sentence the finished hypothesis with the best length-normalised score
@@ -138,6 +152,8 @@ def beam_search(
         for step in range(max(max_len, default=0) + 1):
             n = len(active)
             logits = model.decode(prev, memory, memory_pad, cache)[:, -1].float()  # (n*width, V)
+            if stats is not None:
+                stats.saw(cache)
             log_z = logits.logsumexp(dim=-1, keepdim=True)  # log p = logit - log_z, never renormalised
             eos_lprob = logits[:, eos_id] - log_z[:, 0]
             _ban_(logits, step, min_len, bos_id, eos_id, pad_id)
@@ -224,10 +240,11 @@ def sequence_logprob(model: Seq2Seq, src: Tensor, hyp_tokens: list[list[int]], *
 
 def translate_ids(
     model: Seq2Seq, sources: list[list[int]], recipe: Recipe, rt: Runtime, *, beam: int | None = None,
-    lenpen: float | None = None, on_batch: Callable[[int], None] | None = None,
+    lenpen: float | None = None, on_batch: Callable[[int], None] | None = None, stats: DecodeStats | None = None,
 ) -> list[list[int]]:
     """Decode token-id sources (no EOS) in length-sorted batches of eval.batch_sentences;
-    beam 1 is greedy. Returns hypotheses in input order, without BOS/EOS."""
+    beam 1 is greedy. Returns hypotheses in input order, without BOS/EOS; `stats` gets the
+    largest KV cache of any batch."""
     cfg = recipe.eval
     beam = cfg.beam if beam is None else beam
     lenpen = cfg.lenpen if lenpen is None else lenpen
@@ -242,9 +259,9 @@ def translate_ids(
             src = collate_source([sources[i][:limit] for i in idx]).to(rt.device)
             a, b = cfg.max_len_a, min(cfg.max_len_b, limit)
             if beam == 1:
-                hyps = greedy_decode(model, src, max_len_a=a, max_len_b=b)
+                hyps = greedy_decode(model, src, max_len_a=a, max_len_b=b, stats=stats)
             else:
-                hyps = beam_search(model, src, beam=beam, lenpen=lenpen, max_len_a=a, max_len_b=b)
+                hyps = beam_search(model, src, beam=beam, lenpen=lenpen, max_len_a=a, max_len_b=b, stats=stats)
             for i, h in zip(idx, hyps, strict=True):
                 out[i] = h[:limit]
             if on_batch:

@@ -64,6 +64,7 @@ from xformer.train import run
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
 SPEEDS = ("train_steps_per_s", "decode_per_s")  # per run, timed on the machine that ran it
+MEASURES = (*SPEEDS, "decode_cache_mb")  # averaged per cell
 # the CPU cores other processes took while each speed was timed (xformer.cpuload)
 OTHERS = {"train_steps_per_s": "train_others_cpu", "decode_per_s": "decode_others_cpu"}
 TABLES = ("experiment", "claim")
@@ -254,6 +255,8 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
             "decode_per_s": test.get("sentences_per_s" if metric == "bleu" else "examples_per_s")
             if decode_timed else None,
             "decode_others_cpu": test.get("others_cpu") if decode_timed else None,
+            # the decoder's KV cache at its largest (one batch): the model's, wherever it was decoded
+            "decode_cache_mb": test.get("kv_cache_mb"),
             "predictions": test.get("predictions"), "copied_from": copied and copied["source"],
             "run_dir": str(run_dir)}
 
@@ -294,7 +297,7 @@ def _score_diverged(experiment: Experiment, run_dir: Path, cell: str, seed: int,
             "hypotheses": None, "predictions": None, kind: str(path),
             "train_steps_per_s": step / loop if loop else None, "decode_per_s": None,
             "train_others_cpu": others / progress["seconds"] if loop and others is not None else None,
-            "decode_others_cpu": None,
+            "decode_others_cpu": None, "decode_cache_mb": None,
             "copied_from": None, "diverged_at": step, "run_dir": str(run_dir)}
 
 
@@ -309,7 +312,7 @@ def _compare(experiment: Experiment, rows: dict, out_dir: Path) -> ExperimentRes
                  "valid_mean": statistics.fmean(valids) if valids else None,
                  "valid_std": statistics.stdev(valids) if len(valids) > 1 else 0.0,
                  "parameters": mine[0]["parameters"],
-                 **{f"{speed}_mean": _mean([r.get(speed) for r in mine]) for speed in SPEEDS}}
+                 **{f"{key}_mean": _mean([r.get(key) for r in mine]) for key in MEASURES}}
         if cell != c.baseline:
             base = [rows[(c.baseline, s)] for s in c.seeds]
             entry["difference"] = statistics.fmean(m["test"] - b["test"] for m, b in zip(mine, base, strict=True))
@@ -373,12 +376,13 @@ def markdown(result: ExperimentResult) -> str:
     if crowded:
         speeds += (f"; timed while other processes took more than {BUSY_OVER:g} CPU cores (speeds marked busy): "
                    f"{', '.join(crowded)}")
-    per_s = "decode sentences/s" if result.metric == "bleu" else "test examples/s"
+    bleu = result.metric == "bleu"
+    per_s = "decode sentences/s | KV cache MB" if bleu else "test examples/s"
     lines = [f"test {result.metric} (mean +- std over seeds {', '.join(map(str, result.seeds))}), "
              f"{result.budget_per_run} per run; baseline {result.baseline}{speeds}", "",
              f"| cell | overrides | test {result.metric} | valid {result.metric} | vs baseline | "
              f"paired p < {SIGNIFICANT} | parameters | train steps/s | {per_s} |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|" + ("---|" if bleu else "")]
     base = next(c for c in result.cells if c["cell"] == result.baseline)
     for c in result.cells:
         valid = f"{c['valid_mean']:.2f} +- {c['valid_std']:.2f}" if c["valid_mean"] is not None else "n/a"
@@ -387,17 +391,19 @@ def markdown(result: ExperimentResult) -> str:
         lines.append(f"| {c['cell']} | {' '.join(c['sets']) or '(recipe)'} | {c['test_mean']:.2f} +- "
                      f"{c['test_std']:.2f} | {valid} | {diff} | {significant} | {c['parameters']:,} | "
                      f"{_speed(c, base, 'train_steps_per_s', result.runs)} | "
-                     f"{_speed(c, base, 'decode_per_s', result.runs)} |")
+                     f"{_speed(c, base, 'decode_per_s', result.runs)} |"
+                     + (f" {_speed(c, base, 'decode_cache_mb', [])} |" if bleu else ""))
     return "\n".join(lines) + "\n"
 
 
 def _speed(cell: dict, base: dict, speed: str, runs: list[dict]) -> str:
-    """A cell's mean speed and its ratio to the baseline's, e.g. "3.21 (1.08x)", marked busy when
-    one of the runs behind either was timed beside other work."""
+    """A cell's mean speed (or cache size) and its ratio to the baseline's, e.g. "3.21 (1.08x)",
+    marked busy when one of the `runs` behind either was timed beside other work."""
     mine, theirs = cell.get(f"{speed}_mean"), base.get(f"{speed}_mean")
     if mine is None:
         return "n/a"
-    crowded = any(busy(r.get(OTHERS[speed])) for r in runs if r["cell"] in (cell["cell"], base["cell"]))
+    crowded = any(busy(r.get(OTHERS[speed])) for r in runs if r["cell"] in (cell["cell"], base["cell"])
+                  and speed in OTHERS)
     return f"{mine:.3g}" + (f" ({mine / theirs:.2f}x)" if theirs else "") + (" busy" if crowded else "")
 
 

@@ -41,6 +41,7 @@ class TranslationEval(Result):
     sentences_per_s: float
     hypotheses: str  # the file of hypotheses, one per line
     others_cpu: float | None = None  # mean CPU cores other processes took while it decoded (xformer.cpuload)
+    kv_cache_mb: float | None = None  # the most the decoder's key/value caches held at once (one batch), MB
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
     engine: str | None = None  # "ctranslate2" when an exported model decoded
     card: dict | None = None  # what reproducing the score needs (xformer.runcard)

@@ -45,6 +45,11 @@ class KVCache:
         """Positions decoded so far (not the keys held: a windowed cache holds fewer)."""
         return self.seen
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the key and value tensors held, preallocated positions included."""
+        return 0 if self._k is None else self._k.nbytes + self._v.nbytes
+
     def positions(self) -> Tensor:
         """(S,) absolute positions of the keys held, in order (0 .. S - 1 without a window)."""
         if self._positions is None:

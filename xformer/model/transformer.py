@@ -231,6 +231,11 @@ class DecoderCache:
         """Target positions decoded so far."""
         return self.layers[0][0].length
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes every layer's self- and cross-attention keys and values hold."""
+        return sum(own.nbytes + cross.nbytes for own, cross in self.layers)
+
     def reorder(self, index: Tensor, cross: Tensor | None | bool = True) -> None:
         """Keep batch rows `index` (B',), as beam search does after each step. The cross-attention
         caches follow `index` (cross=True), the rows `cross` (a tensor), or stay (None): beams

@@ -24,7 +24,7 @@ from xformer.cpuload import OtherLoad
 from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
-from xformer.decode import translate_ids
+from xformer.decode import DecodeStats, translate_ids
 from xformer.engines import ctranslate2_ids, ctranslate2_meta
 from xformer.errors import DataError, RunError
 from xformer.events import Event
@@ -253,7 +253,7 @@ class TranslationTask(Task):
             if request.on_progress:
                 request.on_progress(done, len(sources))
 
-        started, others = time.perf_counter(), OtherLoad()
+        started, others, stats = time.perf_counter(), OtherLoad(), DecodeStats()
         if request.ctranslate2:
             e = recipe.eval
             pieces = [self.tokenizer.piece(i, "source") for i in range(self.tokenizer.vocab_size("source"))]
@@ -262,7 +262,7 @@ class TranslationTask(Task):
                                   compute_type="int8" if quantize else "float32")
             tick(len(sources))
         else:
-            ids = translate_ids(model, sources, recipe, rt, beam=beam, lenpen=lenpen, on_batch=tick)
+            ids = translate_ids(model, sources, recipe, rt, beam=beam, lenpen=lenpen, on_batch=tick, stats=stats)
         hyps = self.tokenizer.decode(ids, "target")
         seconds, others_cpu = time.perf_counter() - started, others.cores()
         scores = translation_scores(hyps, list(raw[d.target_lang]))
@@ -274,6 +274,7 @@ class TranslationTask(Task):
             **scores, data=spec, split=split if request.data is None else None, checkpoint=checkpoint, beam=beam,
             lenpen=lenpen, decode_seconds=seconds, sentences_per_s=len(hyps) / max(seconds, 1e-9),
             hypotheses=str(out_dir / f"{stem}.hyp"), quantize=quantize, others_cpu=others_cpu,
+            kv_cache_mb=None if request.ctranslate2 else stats.cache_bytes / 2**20,
             engine="ctranslate2" if request.ctranslate2 else None)
         result.card, result.warnings = self.eval_card(run_dir, rt, split, request.data)
         result.card["wall_seconds"] = time.perf_counter() - started
