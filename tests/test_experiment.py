@@ -11,7 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.test_train import RECIPE, TINY
-from xformer.experiment import markdown
+from xformer.experiment_report import markdown
 from xformer.results import ExperimentResult
 from xformer.significance import paired_bleu
 from xformer_cli.main import app

@@ -31,8 +31,8 @@ on the test split. Then
                        speeds: training steps a second (validation excluded) and test
                        sentences decoded (translation) or examples classified a second (timed
                        on the machine that ran the run: compare cells run on one machine, one
-                       at a time)
-    OUT/results.md     the same as a table
+                       at a time), and for translation the decoder's KV cache at its largest
+    OUT/results.md     the same as a table (xformer.experiment_report)
     OUT/results.png    the test metric per cell, mean and std
 """
 
@@ -47,11 +47,11 @@ from pathlib import Path
 from xformer.checkpoint import read_checkpoint_meta
 from xformer.claims import Check, Claim, claim_from_table
 from xformer.config import Recipe
-from xformer.cpuload import BUSY_OVER, busy
 from xformer.data.corpus import load_split
 from xformer.errors import DivergedError, RecipeError, RunError
 from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
+from xformer.experiment_report import SPEEDS, write_results
 from xformer.files import atomic_write_text
 from xformer.recipe_io import load_recipe, parse_override, read_toml
 from xformer.results import ExperimentResult
@@ -63,10 +63,7 @@ from xformer.tasks import make_task, parameter_count
 from xformer.train import run
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
-SPEEDS = ("train_steps_per_s", "decode_per_s")  # per run, timed on the machine that ran it
 MEASURES = (*SPEEDS, "decode_cache_mb")  # averaged per cell
-# the CPU cores other processes took while each speed was timed (xformer.cpuload)
-OTHERS = {"train_steps_per_s": "train_others_cpu", "decode_per_s": "decode_others_cpu"}
 TABLES = ("experiment", "claim")
 
 
@@ -221,7 +218,7 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
             emit("diverged", rows[(cell, seed)])
         emit("run_end", rows[(cell, seed)])
     result = _compare(experiment, rows, out_dir)
-    _write(result, out_dir)
+    write_results(result, out_dir)
     return result
 
 
@@ -362,65 +359,3 @@ def _pin(experiment: Experiment, out_dir: Path) -> None:
                            "use another --out (runs of different settings cannot be compared)")
         return
     atomic_write_text(path, json.dumps(pinned, indent=2))
-
-
-def markdown(result: ExperimentResult) -> str:
-    copies = [f"{r['cell']}-s{r['seed']}" for r in result.runs if r.get("copied_from")]
-    speeds = (f"; speeds are this experiment's timings, n/a where not taken here ({', '.join(copies)}: "
-              "copies by --reuse)" if copies else "")
-    diverged = [f"{r['cell']}-s{r['seed']} at step {r['diverged_at']}" for r in result.runs if r.get("diverged_at")]
-    if diverged:
-        speeds += (f"; diverged (the loss stayed non-finite), scored as an empty output: {', '.join(diverged)}")
-    crowded = [f"{r['cell']}-s{r['seed']} {what} ({r[OTHERS[speed]]:.2f} cores)" for r in result.runs
-               for speed, what in zip(SPEEDS, ("training", "decoding"), strict=True) if busy(r.get(OTHERS[speed]))]
-    if crowded:
-        speeds += (f"; timed while other processes took more than {BUSY_OVER:g} CPU cores (speeds marked busy): "
-                   f"{', '.join(crowded)}")
-    bleu = result.metric == "bleu"
-    per_s = "decode sentences/s | KV cache MB" if bleu else "test examples/s"
-    lines = [f"test {result.metric} (mean +- std over seeds {', '.join(map(str, result.seeds))}), "
-             f"{result.budget_per_run} per run; baseline {result.baseline}{speeds}", "",
-             f"| cell | overrides | test {result.metric} | valid {result.metric} | vs baseline | "
-             f"paired p < {SIGNIFICANT} | parameters | train steps/s | {per_s} |",
-             "|---|---|---|---|---|---|---|---|---|" + ("---|" if bleu else "")]
-    base = next(c for c in result.cells if c["cell"] == result.baseline)
-    for c in result.cells:
-        valid = f"{c['valid_mean']:.2f} +- {c['valid_std']:.2f}" if c["valid_mean"] is not None else "n/a"
-        diff = f"{c['difference']:+.2f}" if "difference" in c else "baseline"
-        significant = f"{c['significant_seeds']} of {len(result.seeds)} seeds" if "significant_seeds" in c else ""
-        lines.append(f"| {c['cell']} | {' '.join(c['sets']) or '(recipe)'} | {c['test_mean']:.2f} +- "
-                     f"{c['test_std']:.2f} | {valid} | {diff} | {significant} | {c['parameters']:,} | "
-                     f"{_speed(c, base, 'train_steps_per_s', result.runs)} | "
-                     f"{_speed(c, base, 'decode_per_s', result.runs)} |"
-                     + (f" {_speed(c, base, 'decode_cache_mb', [])} |" if bleu else ""))
-    return "\n".join(lines) + "\n"
-
-
-def _speed(cell: dict, base: dict, speed: str, runs: list[dict]) -> str:
-    """A cell's mean speed (or cache size) and its ratio to the baseline's, e.g. "3.21 (1.08x)",
-    marked busy when one of the `runs` behind either was timed beside other work."""
-    mine, theirs = cell.get(f"{speed}_mean"), base.get(f"{speed}_mean")
-    if mine is None:
-        return "n/a"
-    crowded = any(busy(r.get(OTHERS[speed])) for r in runs if r["cell"] in (cell["cell"], base["cell"])
-                  and speed in OTHERS)
-    return f"{mine:.3g}" + (f" ({mine / theirs:.2f}x)" if theirs else "") + (" busy" if crowded else "")
-
-
-def _write(result: ExperimentResult, out_dir: Path) -> None:
-    atomic_write_text(out_dir / "results.json", result.to_json())
-    atomic_write_text(out_dir / "results.md", markdown(result))
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(max(4.0, 1.2 * len(result.cells)), 3.5))
-    names = [c["cell"] for c in result.cells]
-    ax.bar(names, [c["test_mean"] for c in result.cells], yerr=[c["test_std"] for c in result.cells], capsize=4,
-           color=["#888" if n == result.baseline else "#3b75af" for n in names])
-    ax.set_ylabel(f"test {result.metric}")
-    ax.set_title(f"{len(result.seeds)} seeds, {result.budget_per_run} per run")
-    fig.tight_layout()
-    fig.savefig(out_dir / "results.png", dpi=110)
-    plt.close(fig)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 from xformer.claims import METRIC_KEYS, Claim, claim_from_table, describe, judge, verdict
 from xformer.errors import RecipeError, RunError
-from xformer.experiment import Experiment, load_experiment, markdown
+from xformer.experiment import Experiment, load_experiment
+from xformer.experiment_report import markdown
 from xformer.files import atomic_write_text
 from xformer.recipe_io import read_toml
 from xformer.results import ExperimentResult, Ledger
