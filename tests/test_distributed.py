@@ -57,8 +57,9 @@ def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_bat
     assert [r[2] for r in two] == pytest.approx([r[2] for r in one], rel=1e-5)
     epochs = {json.loads(line)["epoch"] for line in (tmp_path / "two" / "metrics.jsonl").read_text().splitlines()}
     assert epochs == {1, 2}  # across the epoch's end, where the last step had one batch
-    card = json.loads((tmp_path / "two" / "train.json").read_text())["card"]
-    assert card["processes"] == 2
+    summary = json.loads((tmp_path / "two" / "train.json").read_text())
+    assert summary["card"]["processes"] == 2
+    assert summary["others_cpu"] is None  # the other process is the run's own, not another job
 
 
 def test_a_process_that_dies_stops_the_others_and_the_run_resumes(corpus, tmp_path):

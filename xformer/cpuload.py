@@ -5,7 +5,8 @@ A speed measured while another job runs on the same cores is slower without sayi
 (training steps, decoding, classifying) carries `others_cpu`: the mean number of cores that other
 processes (and the hypervisor, as steal time) kept busy beyond the ones this process left idle,
 read from /proc/stat over the CPUs this process may run on. 0 on a quiet machine; None where
-/proc/stat is not there (macOS, Windows) or the timing lasted under a second.
+/proc/stat is not there (macOS, Windows), the timing lasted under a second, or the run trained
+in several processes (torch.distributed: the others are its own).
 
     cores allowed   A = len(os.sched_getaffinity(0))
     spare           A - torch.get_num_threads()        (cores this process does not try to use)

@@ -390,8 +390,9 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
         card={**card, "wall_seconds": time.perf_counter() - started, "processes": cluster.world},
         stop_signal=signals.name,
+        # under torch.distributed the other processes are this run's own: not measured
         others_cpu=progress.others_cpu_seconds / progress.seconds
-        if others.available and progress.seconds >= MIN_SECONDS else None,
+        if others.available and progress.seconds >= MIN_SECONDS and cluster.world == 1 else None,
     )
     if cluster.writer:
         atomic_write_text(out_dir / "train.json",
