@@ -49,6 +49,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from xformer.cpuload import BUSY_OVER, busy
+from xformer.experiment_report import OTHERS
 from xformer.significance import SIGNIFICANT
 from xformer.strict import did_you_mean, section_from_dict
 
@@ -57,8 +58,8 @@ Metric = Literal["test", "train_speed", "decode_speed", "decode_memory"]
 METRIC_KEYS = {"test": "test", "train_speed": "train_steps_per_s", "decode_speed": "decode_per_s",
                "decode_memory": "decode_cache_mb"}  # in results.json
 SIZES = ("decode_memory",)  # where better / worse mean larger / smaller
-# the CPU cores other processes took while a speed was timed, in results.json (xformer.cpuload)
-OTHERS_KEYS = {"train_speed": "train_others_cpu", "decode_speed": "decode_others_cpu"}
+# the CPU cores other processes took while a speed was timed: the experiment rows' own keys
+OTHERS_KEYS = {metric: OTHERS[key] for metric, key in METRIC_KEYS.items() if key in OTHERS}
 
 
 @dataclass
