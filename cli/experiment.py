@@ -62,7 +62,8 @@ def experiment(
     if as_json:
         typer.echo(result.to_json(indent=None))
         return
-    table = Table(title=f"test {result.metric}, mean +- std over {len(result.seeds)} seeds, "
+    seeds = f"{len(result.seeds)} seed{'s' if len(result.seeds) > 1 else ''}"
+    table = Table(title=f"test {result.metric}, mean +- std over {seeds}, "
                         f"{result.budget_per_run} per run", header_style="bold")
     for column in ("cell", "test", "valid", "vs baseline", "paired p < 0.05", "parameters"):
         table.add_column(column, justify="left" if column == "cell" else "right")
