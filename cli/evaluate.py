@@ -47,8 +47,10 @@ def evaluate(
     ctranslate2: Annotated[Path | None, typer.Option("--ctranslate2", help="Decode with CTranslate2 from this "
                                                      "directory (xformer export --format ctranslate2).")] = None,
     baseline: Annotated[Path | None, typer.Option("--baseline", metavar="OTHER_RUN",
-                                                  help="Also decode the same test set with OTHER_RUN and report "
-                                                       "sacreBLEU's paired bootstrap between the two.")] = None,
+                                                  help="Also score the same test set with OTHER_RUN (a run of "
+                                                       "the same task) and report the paired test between the "
+                                                       "two: sacreBLEU's paired bootstrap for translation, "
+                                                       "McNemar's exact test for classification.")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Score a run on a test set: translation with beam search, sacreBLEU (cased and lowercased)
@@ -100,6 +102,13 @@ def show_classification(run: Path, result: ClassificationEval) -> None:
             table.add_row(label, *(str(c) for c in row))
         stdout.print(table)
     stdout.print(f"[dim]predictions: {result.predictions}[/dim]")
+    if result.paired:
+        p = result.paired
+        stdout.print(score_table(f"McNemar's exact test against {p['baseline']}", {
+            "accuracy": f"{p['accuracy']:.2f}", "baseline accuracy": f"{p['baseline_accuracy']:.2f}",
+            "difference": f"{p['difference']:+.2f} +- {p['interval']:.2f} (95%)",
+            "right only here / only in the baseline": f"{p['wins']} / {p['losses']}",
+            "p-value": f"{p['p_value']:.4f}"}))
 
 
 @user_errors

@@ -109,3 +109,73 @@ def test_mcnemar_is_the_exact_binomial_on_the_disagreements():
     assert mcnemar(correct, correct)["p_value"] == 1.0
     with pytest.raises(DataError, match="17 predictions against 16"):
         mcnemar(correct, baseline[:-1])
+
+
+def test_mcnemars_interval_is_a_bootstrap_of_the_paired_differences():
+    """The 95% interval of the accuracy difference against resampling the examples: 1.96 times
+    the spread of the resampled mean difference, computed here without the formula."""
+    import numpy as np
+
+    from xformer.significance import mcnemar
+
+    rng = np.random.default_rng(0)
+    correct = rng.random(400) < 0.7
+    baseline = np.where(rng.random(400) < 0.8, correct, ~correct)  # disagree on ~20% of the examples
+    got = mcnemar(correct.tolist(), baseline.tolist())
+    differences = correct.astype(float) - baseline.astype(float)
+    means = differences[rng.integers(0, 400, size=(4000, 400))].mean(axis=1)
+    assert got["interval"] == pytest.approx(100 * 1.96 * means.std(), rel=0.05)
+    assert mcnemar([True, False], [True, False])["interval"] == 0.0
+
+
+@pytest.fixture(scope="module")
+def two_classifiers(tmp_path_factory):
+    """Two tiny recall runs on one generated test set: one trained 12 steps, one 2."""
+    from pathlib import Path
+
+    from xformer.recipe_io import load_recipe
+
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "longrange" / "recall_transformer.toml"
+    tiny = ["data.n_train=64", "data.n_valid=32", "data.n_test=48", "data.max_len=32", "data.curriculum_lengths=[]",
+            "data.curriculum_steps=[]", "train.valid_every=1000", "model.d_model=16", "model.d_ff=32",
+            "model.n_heads=2", "train.lr=3e-3"]
+    folder = tmp_path_factory.mktemp("classifiers")
+    for name, steps in (("long", 12), ("short", 2)):
+        run(load_recipe(recipe, [*tiny, f"train.max_steps={steps}"]), folder / name, device="cpu")
+    run(load_recipe(recipe, [*tiny, "train.max_steps=2", "data.seed=7"]), folder / "other", device="cpu")
+    return folder
+
+
+def test_eval_baseline_pairs_classification_runs_by_mcnemar_on_their_own_predictions(two_classifiers):
+    system, baseline = two_classifiers / "long", two_classifiers / "short"
+    paired = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(baseline), "--json"])
+    assert paired.exit_code == 0, paired.output
+    report = json.loads(paired.stdout)
+    p = report["paired"]
+    alone = json.loads((baseline / "eval.json").read_text())
+    assert (p["accuracy"], p["baseline_accuracy"]) == (report["accuracy"], alone["accuracy"])
+    # McNemar's counts from the two prediction files and the generated test set's labels
+    from xformer.recipe_io import load_run_recipe
+    from xformer.tasks import make_task
+
+    gold = make_task(load_run_recipe(system)).gold(system, None, None)
+    mine = (system / "eval" / "test.best.pred").read_text().splitlines()
+    theirs = (baseline / "eval" / "test.best.pred").read_text().splitlines()
+    assert len(gold) == len(mine) == len(theirs) == 48
+    wins = sum(m == g != t for m, t, g in zip(mine, theirs, gold, strict=True))
+    losses = sum(t == g != m for m, t, g in zip(mine, theirs, gold, strict=True))
+    assert (p["wins"], p["losses"]) == (wins, losses)
+    assert p["difference"] == pytest.approx(report["accuracy"] - alone["accuracy"]) and 0 < p["p_value"] <= 1
+    assert json.loads((system / "eval" / "test.best.vs-short.json").read_text())["p_value"] == p["p_value"]
+    shown = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(baseline)])
+    assert shown.exit_code == 0 and "McNemar's exact test against" in shown.output and "p-value" in shown.output
+
+
+def test_a_classification_baseline_on_other_examples_or_another_task_is_refused(two_classifiers, two_runs):
+    system = two_classifiers / "long"
+    other = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(two_classifiers / "other")])
+    assert other.exit_code == 2 and "Traceback" not in other.output
+    assert "its test set has other labels" in other.stderr and "(48 against 48 examples)" in other.stderr
+    translation = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(two_runs[0])])
+    assert translation.exit_code == 2 and "Traceback" not in translation.output
+    assert "a translation run; a recall run compares with a recall run" in translation.stderr

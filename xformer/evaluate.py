@@ -20,7 +20,7 @@ from xformer.errors import DataError, RunError
 from xformer.files import atomic_write_text
 from xformer.recipe_io import load_run_recipe
 from xformer.results import ClassificationEval, TranslationEval
-from xformer.significance import paired_bleu
+from xformer.significance import mcnemar, paired_bleu, right_or_wrong
 from xformer.tasks import make_task
 from xformer.tasks.base import EvalRequest
 
@@ -36,14 +36,12 @@ def evaluate_run(
     the recipe's [eval] value. quantize "int8": Linear layers in dynamic int8 (CPU); its files
     carry ".int8" in their names and RUN/eval.json stays the model's as trained. ctranslate2:
     decode with CTranslate2 from that directory (xformer export --format ctranslate2; int8
-    compute with quantize "int8"), files marked ".ct2". baseline: another translation run
-    decoded on the same test set, and sacreBLEU's paired bootstrap between the two in
-    result.paired (xformer.significance)."""
+    compute with quantize "int8"), files marked ".ct2". baseline: another run of
+    the same task scored on the same test set, and the paired test between the two in
+    result.paired (xformer.significance): sacreBLEU's paired bootstrap for translation,
+    McNemar's exact test for classification."""
     run_dir = Path(run_dir)
     recipe = load_run_recipe(run_dir)
-    if baseline is not None and recipe.data.task != "translation":
-        raise RunError(f"--baseline: a paired test of {recipe.data.task} runs is not built yet (translation runs: "
-                       "sacreBLEU's paired bootstrap)")
     task = make_task(recipe)
     request = EvalRequest(split=split, data=data, checkpoint=checkpoint, device=device, beam=beam, lenpen=lenpen,
                           on_progress=on_progress, quantize=quantize, ctranslate2=ctranslate2)
@@ -56,24 +54,37 @@ def evaluate_run(
     return result
 
 
-def compare_with(run_dir: Path, result: TranslationEval, baseline: Path, request: EvalRequest) -> dict:
-    """Decode the same test set with the baseline run (its own checkpoint choice; beam and
-    lenpen as asked, else its recipe's) and run the paired bootstrap; the comparison is also
-    written beside the run's hypotheses as <stem>.vs-<baseline folder>.json."""
-    base_recipe = load_run_recipe(baseline)
-    if base_recipe.data.task != "translation":
-        raise RunError(f"--baseline {baseline}: a {base_recipe.data.task} run; a translation run compares with "
-                       "a translation run")
+def compare_with(run_dir: Path, result: TranslationEval | ClassificationEval, baseline: Path,
+                 request: EvalRequest) -> dict:
+    """Score the same test set with the baseline run (its own checkpoint choice; beam and
+    lenpen as asked, else its recipe's) and run the paired test; the comparison is also
+    written beside the run's outputs as <stem>.vs-<baseline folder>.json."""
+    recipe, base_recipe = load_run_recipe(run_dir), load_run_recipe(baseline)
+    if base_recipe.data.task != recipe.data.task:
+        raise RunError(f"--baseline {baseline}: a {base_recipe.data.task} run; a {recipe.data.task} run compares "
+                       f"with a {recipe.data.task} run")
     base_request = replace(request, checkpoint=None, quantize=None, ctranslate2=None)
-    base = make_task(base_recipe).evaluate(baseline, base_request)
-    own, other = _references(load_run_recipe(run_dir), request), _references(base_recipe, base_request)
+    base_task = make_task(base_recipe)
+    base = base_task.evaluate(baseline, base_request)
+    classified = isinstance(result, ClassificationEval)
+    if classified:
+        own = make_task(recipe).gold(run_dir, request.split, request.data)
+        other = base_task.gold(baseline, base_request.split, base_request.data)
+    else:
+        own, other = _references(recipe, request), _references(base_recipe, base_request)
     if own != other:
-        raise DataError(f"--baseline {baseline}: its test set has other references than {run_dir}'s "
-                        f"({len(other)} against {len(own)} sentences); pass the same --data to compare them")
-    lines = [Path(r.hypotheses).read_text(encoding="utf-8").splitlines() for r in (result, base)]
-    paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint, "baseline_beam": base.beam,
-              **paired_bleu(lines[0], lines[1], own)}
-    stem = Path(result.hypotheses).with_suffix("")
+        what, unit = ("labels", "examples") if classified else ("references", "sentences")
+        raise DataError(f"--baseline {baseline}: its test set has other {what} than {run_dir}'s "
+                        f"({len(other)} against {len(own)} {unit}); pass the same --data to compare them")
+    if classified:
+        paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint, "accuracy": result.accuracy,
+                  "baseline_accuracy": base.accuracy,
+                  **mcnemar(right_or_wrong(result.predictions, own), right_or_wrong(base.predictions, own))}
+    else:
+        lines = [Path(r.hypotheses).read_text(encoding="utf-8").splitlines() for r in (result, base)]
+        paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint, "baseline_beam": base.beam,
+                  **paired_bleu(lines[0], lines[1], own)}
+    stem = Path(result.predictions if classified else result.hypotheses).with_suffix("")
     atomic_write_text(stem.with_name(f"{stem.name}.vs-{baseline.resolve().name}.json"), json.dumps(paired, indent=2))
     return paired
 

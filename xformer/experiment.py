@@ -57,7 +57,7 @@ from xformer.recipe_io import load_recipe, parse_override, read_toml
 from xformer.results import ExperimentResult
 from xformer.reuse import copy_run, finished_runs, same_run
 from xformer.rundir import run_state
-from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu
+from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu, right_or_wrong
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task, parameter_count
 from xformer.train import run
@@ -337,13 +337,8 @@ def _paired(mine: dict, base: dict, experiment: Experiment) -> dict:
         hyps = [Path(r["hypotheses"]).read_text(encoding="utf-8").splitlines() for r in (mine, base)]
         p = paired_bleu(hyps[0], hyps[1], refs)
     else:
-        task = make_task(recipe)
-        task.load_vocabulary(Path(mine["run_dir"]))
-        examples, _ = task.examples(None, None)
-        gold = [task.labels[i] for i in examples.labels]
-        right = [[p == g for p, g in zip(Path(r["predictions"]).read_text(encoding="utf-8").splitlines(), gold,
-                                         strict=True)] for r in (mine, base)]
-        p = mcnemar(right[0], right[1])
+        gold = make_task(recipe).gold(Path(mine["run_dir"]), None, None)
+        p = mcnemar(*(right_or_wrong(r["predictions"], gold) for r in (mine, base)))
     return {"seed": mine["seed"], "difference": p["difference"], "p_value": p["p_value"]}
 
 

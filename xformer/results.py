@@ -69,6 +69,7 @@ class ClassificationEval(Result):
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
     card: dict | None = None  # what reproducing the score needs (xformer.runcard)
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
+    paired: dict | None = None  # with --baseline: McNemar's exact test against that run (xformer.significance)
 
 
 @dataclass

@@ -15,6 +15,7 @@ under "neither is better" each such example is a fair coin (two-sided binomial p
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
@@ -52,7 +53,9 @@ def paired_bleu(hypotheses: list[str], baseline: list[str], references: list[str
 def mcnemar(correct: list[bool], baseline: list[bool]) -> dict:
     """McNemar's exact test between two classifiers' per-example correctness on one test set:
     `wins` (right where the baseline is wrong), `losses` (the reverse), the accuracy
-    difference in points, and the two-sided p-value (1.0 when they never disagree)."""
+    difference in points, the two-sided p-value (1.0 when they never disagree) and the
+    difference's 95% interval (Wald's for paired proportions: +- 1.96 standard errors, in
+    points)."""
     if len(correct) != len(baseline):
         raise DataError(f"paired test: {len(correct)} predictions against {len(baseline)} baseline predictions; "
                         "both systems must classify the same test set")
@@ -61,5 +64,17 @@ def mcnemar(correct: list[bool], baseline: list[bool]) -> dict:
     n = wins + losses
     tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2 ** n if n else 1.0
     total = max(len(correct), 1)
+    spread = math.sqrt(max(n - (wins - losses) ** 2 / total, 0.0)) / total
     return {"test": "McNemar's exact test", "wins": wins, "losses": losses,
-            "difference": 100.0 * (sum(correct) - sum(baseline)) / total, "p_value": min(1.0, 2 * tail)}
+            "difference": 100.0 * (sum(correct) - sum(baseline)) / total, "p_value": min(1.0, 2 * tail),
+            "interval": 100.0 * 1.96 * spread}
+
+
+def right_or_wrong(predictions: str | Path, gold: list[str]) -> list[bool]:
+    """Per example, whether a predictions file (one label a line, `xformer eval`'s .pred) has
+    the gold label; refused when the file is not one line per example."""
+    predicted = Path(predictions).read_text(encoding="utf-8").splitlines()
+    if len(predicted) != len(gold):
+        raise DataError(f"{predictions}: {len(predicted)} predictions for {len(gold)} examples; "
+                        "expected one label a line for every example of the test set")
+    return [p == g for p, g in zip(predicted, gold, strict=True)]

@@ -141,6 +141,12 @@ class ClassificationTask(Task):
         raw = load_split(spec, split, [d.text_field, d.label_field], config, complete=True, numeric=(d.label_field,))
         return self.encode(raw), eval_name(split, data, [raw[d.text_field], raw[d.label_field]])
 
+    def gold(self, run_dir: Path, split: str | None, data: str | None) -> list[str]:
+        """The labels of the examples `evaluate` scores (default: the test split), by name."""
+        self.load_vocabulary(Path(run_dir))
+        examples, _ = self.examples(split, data)
+        return [self.labels[i] for i in examples.labels]
+
     def train_split(self) -> str:
         return self.recipe.data.train_split
 
