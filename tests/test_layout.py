@@ -21,7 +21,7 @@ LAYERS = [
     ["xformer.tasks"],
     ["xformer.recipe_io", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
      "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers", "xformer.export",
-     "xformer.experiment", "xformer.reuse", "xformer.ledger"],
+     "xformer.experiment", "xformer.reuse", "xformer.ledger", "xformer.grid"],
     ["xformer"],  # the package's __init__: the library's front door
 ]
 

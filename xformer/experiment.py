@@ -48,11 +48,12 @@ from xformer.checkpoint import read_checkpoint_meta
 from xformer.claims import Check, Claim, claim_from_table
 from xformer.config import Recipe
 from xformer.data.corpus import load_split
-from xformer.errors import DivergedError, RecipeError, RunError
+from xformer.errors import DivergedError, RecipeError
 from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
 from xformer.experiment_report import SPEEDS, write_results
 from xformer.files import atomic_write_text
+from xformer.grid import pin, train_to_end
 from xformer.recipe_io import load_recipe, parse_override, read_toml
 from xformer.results import ExperimentResult
 from xformer.reuse import copy_run, finished_runs, same_run
@@ -60,7 +61,6 @@ from xformer.rundir import run_state
 from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu, right_or_wrong
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task, parameter_count
-from xformer.train import run
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
 MEASURES = (*SPEEDS, "decode_cache_mb")  # averaged per cell
@@ -199,18 +199,11 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
         emit("run_start", {"index": index, "cell": cell, "seed": seed, "resume": state == "resume"})
         diverged = diverged_at(run_dir)  # an earlier attempt's loss stayed non-finite: an outcome, kept
         if state != "trained" and diverged is None:
-            def forward(kind, payload, index=index):
-                if kind in ("tick", "step"):
-                    emit("run_progress", {"index": index, "fraction": payload["fraction"]})
-
             try:
-                result = run(experiment.recipe(cell, seed), run_dir, device=device, resume=state == "resume",
-                             overwrite=state == "new", on_event=forward)
+                train_to_end(experiment.recipe(cell, seed), run_dir, device=device,
+                             on_fraction=lambda f, index=index: emit("run_progress", {"index": index, "fraction": f}))
             except DivergedError as exc:
                 diverged = exc.step
-            else:
-                if result.stop_reason == "interrupted":
-                    raise KeyboardInterrupt
         if diverged is None:
             rows[(cell, seed)] = _score(run_dir, cell, seed, device)
         else:
@@ -347,10 +340,5 @@ def _pin(experiment: Experiment, out_dir: Path) -> None:
     c = experiment.config
     pinned = {"recipe": experiment.recipe(c.baseline, c.seeds[0]).to_dict(), "cells": experiment.cells,
               "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time}
-    path = out_dir / "experiment.json"
-    if path.is_file():
-        if json.loads(path.read_text()) != json.loads(json.dumps(pinned)):
-            raise RunError(f"{path}: this folder holds an experiment with other cells, seeds, budget or recipe; "
-                           "use another --out (runs of different settings cannot be compared)")
-        return
-    atomic_write_text(path, json.dumps(pinned, indent=2))
+    pin(out_dir / "experiment.json", pinned, "this folder holds an experiment with other cells, seeds, budget or "
+        "recipe; use another --out (runs of different settings cannot be compared)")

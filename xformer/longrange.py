@@ -40,10 +40,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from xformer.config import Recipe
-from xformer.errors import RecipeError, RunError
+from xformer.errors import RecipeError
 from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
+from xformer.grid import pin, train_to_end
 from xformer.model.lstm import match_hidden
 from xformer.recipe_io import load_recipe, read_toml, recipe_from_dict
 from xformer.results import SweepResult
@@ -51,7 +52,6 @@ from xformer.rundir import run_state
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task, parameter_count
 from xformer.tasks.generated import GeneratedData
-from xformer.train import run
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -247,16 +247,8 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
         state = run_state(run_dir)
         emit("row_start", {"index": index, "key": key, "model": model, "length": length, "seed": seed,
                            "resume": state == "resume"})
-        if state != "trained":
-
-            def forward(kind, payload, index=index):
-                if kind in ("tick", "step"):
-                    emit("row_progress", {"index": index, "fraction": payload["fraction"]})
-
-            result = run(row_recipe(sweep, model, length, seed), run_dir, device=device, resume=state == "resume",
-                         overwrite=state == "new", on_event=forward, measure_memory=True)
-            if result.stop_reason == "interrupted":
-                raise KeyboardInterrupt
+        train_to_end(row_recipe(sweep, model, length, seed), run_dir, device=device, measure_memory=True,
+                     on_fraction=lambda f, index=index: emit("row_progress", {"index": index, "fraction": f}))
         trained = json.loads((run_dir / "train.json").read_text())
         test = evaluate_run(run_dir, split="test", checkpoint="best", device=device)
         best = trained["best"] or {}
@@ -299,18 +291,18 @@ def _pin_sweep(sweep: Sweep, out_dir: Path) -> None:
               "recipes": {m: sweep.recipes[m].to_dict() for m in MODELS}}
     if sweep.variants:  # (absent without variants, so a sweep started before they existed still matches)
         pinned["variants"] = sweep.variants
-    path = out_dir / "sweep.json"
-    if path.is_file():
-        old = json.loads(path.read_text())
-        try:  # through the loader, so a field added since (at its default) is no difference
-            old["recipes"] = {m: recipe_from_dict(r).to_dict() for m, r in old.get("recipes", {}).items()}
-        except RecipeError:
-            pass  # not loadable now: certainly not the same recipes
-        if old != json.loads(json.dumps(pinned)):
-            raise RunError(f"{path}: this sweep directory was started with other recipes or budget; "
-                           "use another --out (rows of different settings cannot be compared)")
-        return
-    atomic_write_text(path, json.dumps(pinned, indent=2))
+    pin(out_dir / "sweep.json", pinned, "this sweep directory was started with other recipes or budget; use "
+        "another --out (rows of different settings cannot be compared)", as_now=_recipes_as_now)
+
+
+def _recipes_as_now(old: dict) -> dict:
+    """A saved sweep.json's recipes through today's loader (a field added since, at its default,
+    is no difference); left as saved when they no longer load (certainly not the same)."""
+    try:
+        old["recipes"] = {m: recipe_from_dict(r).to_dict() for m, r in old.get("recipes", {}).items()}
+    except RecipeError:
+        pass
+    return old
 
 
 def summarize(sweep: Sweep, rows: list[dict]) -> dict:

@@ -1,0 +1,47 @@
+"""Driving a grid of runs (`xformer experiment`'s cells x seeds, `xformer longrange`'s lengths x
+models x seeds): each run trained to its budget whatever state an earlier attempt left it in,
+and the grid's settings pinned in its folder so a rerun adds to the same comparison or is
+refused."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+from xformer.config import Recipe
+from xformer.errors import RunError
+from xformer.files import atomic_write_text
+from xformer.rundir import run_state
+from xformer.train import run
+
+
+def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Callable[[float], None],
+                 measure_memory: bool = False) -> None:
+    """Train the run in run_dir to its budget: from scratch when new, resumed when an earlier
+    attempt stopped part way, nothing when it is trained (rundir.run_state). on_fraction gets
+    the run's progress, 0..1. Ctrl-C stops the run with its checkpoint saved and raises
+    KeyboardInterrupt, so the grid stops too; DivergedError (non-finite losses) propagates."""
+    state = run_state(run_dir)
+    if state == "trained":
+        return
+
+    def forward(kind, payload):
+        if kind in ("tick", "step"):
+            on_fraction(payload["fraction"])
+
+    result = run(recipe, run_dir, device=device, resume=state == "resume", overwrite=state == "new",
+                 on_event=forward, measure_memory=measure_memory)
+    if result.stop_reason == "interrupted":
+        raise KeyboardInterrupt
+
+
+def pin(path: Path, settings: dict, refusal: str, *, as_now: Callable[[dict], dict] = lambda old: old) -> None:
+    """Write the grid's settings to path the first time; on a rerun, refuse (RunError: path and
+    `refusal`) unless they are the same. as_now reads the saved settings the way today's code
+    would write them (a field added since, at its default, is no difference)."""
+    if path.is_file():
+        if as_now(json.loads(path.read_text())) != json.loads(json.dumps(settings)):
+            raise RunError(f"{path}: {refusal}")
+        return
+    atomic_write_text(path, json.dumps(settings, indent=2))
