@@ -106,7 +106,7 @@ def show_classification(run: Path, result: ClassificationEval) -> None:
         p = result.paired
         stdout.print(score_table(f"McNemar's exact test against {p['baseline']}", {
             "accuracy": f"{p['accuracy']:.2f}", "baseline accuracy": f"{p['baseline_accuracy']:.2f}",
-            "difference": f"{p['difference']:+.2f} +- {p['interval']:.2f} (95%)",
+            "difference": f"{p['difference']:+.2f} +- {p['difference_interval']:.2f} (95%)",
             "right only here / only in the baseline": f"{p['wins']} / {p['losses']}",
             "p-value": f"{p['p_value']:.4f}"}))
 

@@ -2,6 +2,7 @@
 so that its numbers are the runs' own scores, and refused where the comparison means nothing."""
 
 import json
+import re
 
 import pytest
 import sacrebleu
@@ -111,9 +112,9 @@ def test_mcnemar_is_the_exact_binomial_on_the_disagreements():
         mcnemar(correct, baseline[:-1])
 
 
-def test_mcnemars_interval_is_a_bootstrap_of_the_paired_differences():
-    """The 95% interval of the accuracy difference against resampling the examples: 1.96 times
-    the spread of the resampled mean difference, computed here without the formula."""
+def test_mcnemars_interval_is_196_standard_errors_of_the_mean_paired_difference():
+    """The 95% interval of the accuracy difference, against the standard error of the mean of
+    the per-example differences (right - wrong in {-1, 0, 1}) computed directly, and by hand."""
     import numpy as np
 
     from xformer.significance import mcnemar
@@ -123,9 +124,22 @@ def test_mcnemars_interval_is_a_bootstrap_of_the_paired_differences():
     baseline = np.where(rng.random(400) < 0.8, correct, ~correct)  # disagree on ~20% of the examples
     got = mcnemar(correct.tolist(), baseline.tolist())
     differences = correct.astype(float) - baseline.astype(float)
-    means = differences[rng.integers(0, 400, size=(4000, 400))].mean(axis=1)
-    assert got["interval"] == pytest.approx(100 * 1.96 * means.std(), rel=0.05)
-    assert mcnemar([True, False], [True, False])["interval"] == 0.0
+    assert got["difference_interval"] == pytest.approx(100 * 1.96 * np.sqrt(differences.var() / 400))
+    # 3 wins, 1 loss, 6 ties: d = 0.2, variance of the differences 4/10 - 0.2^2 = 0.36
+    by_hand = mcnemar([True] * 3 + [False] + [True] * 6, [False] * 3 + [True] * 7)
+    assert by_hand["difference_interval"] == pytest.approx(100 * 1.96 * (0.36 / 10) ** 0.5)
+    assert by_hand["difference_interval"] == pytest.approx(37.19, abs=0.01)
+    assert mcnemar([True, False], [True, False])["difference_interval"] == 0.0
+
+
+def test_a_predictions_file_of_another_length_is_refused(tmp_path):
+    from xformer.significance import right_or_wrong
+
+    pred = tmp_path / "test.best.pred"
+    pred.write_text("1\n2\n")
+    assert right_or_wrong(pred, ["1", "3"]) == [True, False]
+    with pytest.raises(DataError, match=r"test.best.pred: 2 predictions for 3 examples"):
+        right_or_wrong(pred, ["1", "2", "3"])
 
 
 @pytest.fixture(scope="module")
@@ -143,22 +157,25 @@ def two_classifiers(tmp_path_factory):
     for name, steps in (("long", 12), ("short", 2)):
         run(load_recipe(recipe, [*tiny, f"train.max_steps={steps}"]), folder / name, device="cpu")
     run(load_recipe(recipe, [*tiny, "train.max_steps=2", "data.seed=7"]), folder / "other", device="cpu")
+    run(load_recipe(recipe, [*tiny, "train.max_steps=2", "data.n_test=40"]), folder / "fewer", device="cpu")
     return folder
 
 
 def test_eval_baseline_pairs_classification_runs_by_mcnemar_on_their_own_predictions(two_classifiers):
     system, baseline = two_classifiers / "long", two_classifiers / "short"
+    alone = runner.invoke(app, ["eval", str(baseline), "--device", "cpu", "--json"])
+    assert alone.exit_code == 0, alone.output
+    alone = json.loads(alone.stdout)
     paired = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(baseline), "--json"])
     assert paired.exit_code == 0, paired.output
     report = json.loads(paired.stdout)
     p = report["paired"]
-    alone = json.loads((baseline / "eval.json").read_text())
     assert (p["accuracy"], p["baseline_accuracy"]) == (report["accuracy"], alone["accuracy"])
     # McNemar's counts from the two prediction files and the generated test set's labels
     from xformer.recipe_io import load_run_recipe
     from xformer.tasks import make_task
 
-    gold = make_task(load_run_recipe(system)).gold(system, None, None)
+    gold = [label for _, label in make_task(load_run_recipe(system)).scored_set(None, None)]
     mine = (system / "eval" / "test.best.pred").read_text().splitlines()
     theirs = (baseline / "eval" / "test.best.pred").read_text().splitlines()
     assert len(gold) == len(mine) == len(theirs) == 48
@@ -175,7 +192,11 @@ def test_a_classification_baseline_on_other_examples_or_another_task_is_refused(
     system = two_classifiers / "long"
     other = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(two_classifiers / "other")])
     assert other.exit_code == 2 and "Traceback" not in other.output
-    assert "its test set has other labels" in other.stderr and "(48 against 48 examples)" in other.stderr
+    assert "its test set has other examples" in other.stderr and "the same data.seed, n_test" in other.stderr
+    assert re.search(r"\(example \d+: (label '\d+' against '\d+'|the same label, another input)\)", other.stderr)
+    fewer = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(two_classifiers / "fewer")])
+    assert fewer.exit_code == 2 and "(40 against 48 examples)" in fewer.stderr
+    assert not (two_classifiers / "fewer" / "eval.json").exists()  # refused before either run was scored
     translation = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(two_runs[0])])
     assert translation.exit_code == 2 and "Traceback" not in translation.output
     assert "a translation run; a recall run compares with a recall run" in translation.stderr

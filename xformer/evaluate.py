@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
+from xformer.config import Recipe
 from xformer.cpuload import busy
 from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
@@ -23,6 +24,7 @@ from xformer.results import ClassificationEval, TranslationEval
 from xformer.significance import mcnemar, paired_bleu, right_or_wrong
 from xformer.tasks import make_task
 from xformer.tasks.base import EvalRequest
+from xformer.tasks.generated import GeneratedData
 
 
 def evaluate_run(
@@ -45,48 +47,81 @@ def evaluate_run(
     task = make_task(recipe)
     request = EvalRequest(split=split, data=data, checkpoint=checkpoint, device=device, beam=beam, lenpen=lenpen,
                           on_progress=on_progress, quantize=quantize, ctranslate2=ctranslate2)
+    pairing = check_pairable(run_dir, recipe, Path(baseline), request) if baseline is not None else None
     result = task.evaluate(run_dir, request)
     if busy(result.others_cpu):
         result.warnings = [*(result.warnings or []), f"timed while other processes took {result.others_cpu:.2f} "
                            "CPU cores: the speed is below what this machine does alone"]
-    if baseline is not None:
-        result.paired = compare_with(run_dir, result, Path(baseline), request)
+    if pairing is not None:
+        result.paired = compare_with(result, pairing)
     return result
 
 
-def compare_with(run_dir: Path, result: TranslationEval | ClassificationEval, baseline: Path,
-                 request: EvalRequest) -> dict:
-    """Score the same test set with the baseline run (its own checkpoint choice; beam and
-    lenpen as asked, else its recipe's) and run the paired test; the comparison is also
-    written beside the run's outputs as <stem>.vs-<baseline folder>.json."""
-    recipe, base_recipe = load_run_recipe(run_dir), load_run_recipe(baseline)
+@dataclass
+class Pairing:
+    """A baseline run that may be compared with this one: same task, same test set."""
+
+    baseline: Path
+    recipe: Recipe
+    request: EvalRequest  # the baseline's: its own checkpoint choice, decoded as it was trained
+    test_set: list  # the references (translation) or (text, gold label) pairs (classification)
+
+
+def check_pairable(run_dir: Path, recipe: Recipe, baseline: Path, request: EvalRequest) -> Pairing:
+    """Refuse, before anything is decoded, a baseline of another task or scored on another test set."""
+    base_recipe = load_run_recipe(baseline)
     if base_recipe.data.task != recipe.data.task:
         raise RunError(f"--baseline {baseline}: a {base_recipe.data.task} run; a {recipe.data.task} run compares "
                        f"with a {recipe.data.task} run")
     base_request = replace(request, checkpoint=None, quantize=None, ctranslate2=None)
-    base_task = make_task(base_recipe)
-    base = base_task.evaluate(baseline, base_request)
-    classified = isinstance(result, ClassificationEval)
-    if classified:
-        own = make_task(recipe).gold(run_dir, request.split, request.data)
-        other = base_task.gold(baseline, base_request.split, base_request.data)
-    else:
-        own, other = _references(recipe, request), _references(base_recipe, base_request)
+    own, other = _test_set(recipe, request), _test_set(base_recipe, base_request)
     if own != other:
-        what, unit = ("labels", "examples") if classified else ("references", "sentences")
-        raise DataError(f"--baseline {baseline}: its test set has other {what} than {run_dir}'s "
-                        f"({len(other)} against {len(own)} {unit}); pass the same --data to compare them")
-    if classified:
+        translation = recipe.data.task == "translation"
+        hint = ("pass the same --data to compare them" if translation or not isinstance(recipe.data, GeneratedData)
+                else "generate both with the same data.seed, n_test and max_len")
+        raise DataError(f"--baseline {baseline}: its test set has other "
+                        f"{'references' if translation else 'examples'} than {run_dir}'s "
+                        f"({_first_difference(own, other, translation)}); {hint}")
+    return Pairing(baseline, base_recipe, base_request, own)
+
+
+def compare_with(result: TranslationEval | ClassificationEval, pairing: Pairing) -> dict:
+    """Score the same test set with the baseline run and run the paired test; the comparison
+    is also written beside the run's outputs as <stem>.vs-<baseline folder>.json."""
+    baseline = pairing.baseline
+    base = make_task(pairing.recipe).evaluate(baseline, pairing.request)
+    if isinstance(result, ClassificationEval):
+        gold = [label for _, label in pairing.test_set]
         paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint, "accuracy": result.accuracy,
                   "baseline_accuracy": base.accuracy,
-                  **mcnemar(right_or_wrong(result.predictions, own), right_or_wrong(base.predictions, own))}
+                  **mcnemar(right_or_wrong(result.predictions, gold), right_or_wrong(base.predictions, gold))}
+        stem = Path(result.predictions).with_suffix("")
     else:
         lines = [Path(r.hypotheses).read_text(encoding="utf-8").splitlines() for r in (result, base)]
         paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint, "baseline_beam": base.beam,
-                  **paired_bleu(lines[0], lines[1], own)}
-    stem = Path(result.predictions if classified else result.hypotheses).with_suffix("")
+                  **paired_bleu(lines[0], lines[1], pairing.test_set)}
+        stem = Path(result.hypotheses).with_suffix("")
     atomic_write_text(stem.with_name(f"{stem.name}.vs-{baseline.resolve().name}.json"), json.dumps(paired, indent=2))
     return paired
+
+
+def _test_set(recipe: Recipe, request: EvalRequest) -> list:
+    if recipe.data.task == "translation":
+        return _references(recipe, request)
+    return make_task(recipe).scored_set(request.split, request.data)
+
+
+def _first_difference(own: list, other: list, translation: bool) -> str:
+    unit = "sentence" if translation else "example"
+    if len(own) != len(other):
+        return f"{len(other)} against {len(own)} {unit}s"
+    i = next(i for i, (a, b) in enumerate(zip(own, other, strict=True)) if a != b)
+    if translation:
+        return f"{unit} {i + 1}: {other[i][:60]!r} against {own[i][:60]!r}"
+    if own[i][1] != other[i][1]:
+        return f"{unit} {i + 1}: label {other[i][1]!r} against {own[i][1]!r}"
+    return f"{unit} {i + 1}: the same label, another input"
+
 
 
 def _references(recipe, request: EvalRequest) -> list[str]:

@@ -330,7 +330,7 @@ def _paired(mine: dict, base: dict, experiment: Experiment) -> dict:
         hyps = [Path(r["hypotheses"]).read_text(encoding="utf-8").splitlines() for r in (mine, base)]
         p = paired_bleu(hyps[0], hyps[1], refs)
     else:
-        gold = make_task(recipe).gold(Path(mine["run_dir"]), None, None)
+        gold = [label for _, label in make_task(recipe).scored_set(None, None)]
         p = mcnemar(*(right_or_wrong(r["predictions"], gold) for r in (mine, base)))
     return {"seed": mine["seed"], "difference": p["difference"], "p_value": p["p_value"]}
 

@@ -9,7 +9,8 @@ Resampling draws with sacreBLEU's own seed (SACREBLEU_SEED, 12345 unless set), s
 inputs give the same p-value in every process.
 
 For accuracy, McNemar's exact test: only the examples the two systems disagree on count, and
-under "neither is better" each such example is a fair coin (two-sided binomial p-value).
+under "neither is better" each such example is a fair coin (two-sided binomial p-value); the
+accuracy difference gets Wald's 95% interval for paired proportions beside it.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def mcnemar(correct: list[bool], baseline: list[bool]) -> dict:
     `wins` (right where the baseline is wrong), `losses` (the reverse), the accuracy
     difference in points, the two-sided p-value (1.0 when they never disagree) and the
     difference's 95% interval (Wald's for paired proportions: +- 1.96 standard errors, in
-    points)."""
+    points; an approximation that is too narrow when few examples disagree, where the exact
+    p-value is the one to read)."""
     if len(correct) != len(baseline):
         raise DataError(f"paired test: {len(correct)} predictions against {len(baseline)} baseline predictions; "
                         "both systems must classify the same test set")
@@ -67,7 +69,7 @@ def mcnemar(correct: list[bool], baseline: list[bool]) -> dict:
     spread = math.sqrt(max(n - (wins - losses) ** 2 / total, 0.0)) / total
     return {"test": "McNemar's exact test", "wins": wins, "losses": losses,
             "difference": 100.0 * (sum(correct) - sum(baseline)) / total, "p_value": min(1.0, 2 * tail),
-            "interval": 100.0 * 1.96 * spread}
+            "difference_interval": 100.0 * 1.96 * spread}
 
 
 def right_or_wrong(predictions: str | Path, gold: list[str]) -> list[bool]:

@@ -135,17 +135,23 @@ class ClassificationTask(Task):
     def examples(self, split: str | None, data: str | None) -> tuple[Examples, str]:
         """The examples to score (default: the test split) and the name of the report."""
         d = self.recipe.data
-        spec = data if data is not None else d.dataset
         split = split or d.test_split
-        config = d.dataset_config or None if data is None else None
-        raw = load_split(spec, split, [d.text_field, d.label_field], config, complete=True, numeric=(d.label_field,))
+        raw = self._raw(split, data)
         return self.encode(raw), eval_name(split, data, [raw[d.text_field], raw[d.label_field]])
 
-    def gold(self, run_dir: Path, split: str | None, data: str | None) -> list[str]:
-        """The labels of the examples `evaluate` scores (default: the test split), by name."""
-        self.load_vocabulary(Path(run_dir))
-        examples, _ = self.examples(split, data)
-        return [self.labels[i] for i in examples.labels]
+    def _raw(self, split: str | None, data: str | None):
+        d = self.recipe.data
+        spec = data if data is not None else d.dataset
+        config = d.dataset_config or None if data is None else None
+        return load_split(spec, split or d.test_split, [d.text_field, d.label_field], config, complete=True,
+                          numeric=(d.label_field,))
+
+    def scored_set(self, split: str | None, data: str | None) -> list[tuple]:
+        """The examples `evaluate` scores (default: the test split) as (text, gold label) pairs,
+        in order: two runs of one task scored the same set when these are equal."""
+        d = self.recipe.data
+        raw = self._raw(split, data)
+        return [(str(text), _label(value)) for text, value in zip(raw[d.text_field], raw[d.label_field], strict=True)]
 
     def train_split(self) -> str:
         return self.recipe.data.train_split

@@ -107,6 +107,11 @@ class GeneratedTask(ClassificationTask):
         self.encoder, n_classes = task_encoder(recipe.data.task)
         self.labels = [str(c) for c in range(n_classes)]
 
+    def scored_set(self, split: str | None, data: str | None) -> list[tuple]:
+        """The generated examples `evaluate` scores as (token ids, gold label) pairs."""
+        examples, _ = self.examples(split, data)
+        return [(tuple(examples.sequence(i)), self.labels[label]) for i, label in enumerate(examples.labels)]
+
     def splits(self) -> dict[str, Examples]:
         d = self.recipe.data
         return generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed,
