@@ -36,6 +36,9 @@ def test_the_scores_are_sacrebleus_and_a_clear_gap_is_significant():
 def test_identical_outputs_are_no_difference_and_a_mismatch_is_refused():
     same = paired_bleu(REFS[::-1], REFS[::-1], REFS)
     assert same["difference"] == 0.0 and same["p_value"] == 1.0
+    # two different outputs that both score 0 (two diverged models): no gap in any resample
+    nothing = paired_bleu(["zzz qqq"] * 60, ["xxx yyy www"] * 60, REFS)
+    assert nothing["bleu"] == nothing["baseline_bleu"] == 0.0 and nothing["p_value"] == 1.0
     with pytest.raises(DataError, match="59 hypotheses, 60 baseline hypotheses and 60 references"):
         paired_bleu(REFS[:-1], REFS, REFS)
 

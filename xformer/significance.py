@@ -38,9 +38,11 @@ def paired_bleu(hypotheses: list[str], baseline: list[str], references: list[str
                       [list(references)], test_type="bs", n_samples=samples)
     signatures, results = test()
     base, system = results["BLEU"]
-    # Identical outputs differ in no resample, and sacreBLEU's count (resampled gaps strictly
-    # above the observed one) then gives its smallest p-value: no difference is p = 1.
-    p_value = 1.0 if list(hypotheses) == list(baseline) else float(system.p_value)
+    # Identical outputs, or outputs that tie in every resample (two models that output nothing
+    # right: BLEU 0 both), differ in no resample, and sacreBLEU's count (resampled gaps strictly
+    # above the observed one) then gives its smallest p-value: no observed gap is p = 1.
+    tied = list(hypotheses) == list(baseline) or float(system.score) == float(base.score)
+    p_value = 1.0 if tied else float(system.p_value)
     return {
         "test": "paired bootstrap resampling (sacreBLEU)", "samples": samples,
         "bleu": float(system.score), "baseline_bleu": float(base.score),
