@@ -72,6 +72,14 @@ def test_a_check_is_judged_on_every_seed_and_its_paired_test(scores, p, check, e
     assert "x - base per seed" in outcome.reason
 
 
+def test_a_supported_gap_is_reported_as_measured_beside_the_claim_even_from_a_zero_baseline():
+    outcome = judge(Check("x", "better", percent=5), results({"base": BASE, "x": [11.0, 13.0]}, {"x": [0.01, 0.02]}))
+    assert "by 9.1% on average (claimed 5%)" in outcome.reason  # +1 over a mean of 11
+    # a baseline that learned nothing (0 in every seed): a percent of it claims nothing more than "better"
+    zero = judge(Check("x", "better", percent=5), results({"base": [0.0, 0.0], "x": [3.0, 4.0]}, {"x": [0.01, 0.01]}))
+    assert zero.verdict == "supported" and zero.reason.endswith("better in every seed")
+
+
 def test_a_check_between_two_cells_that_are_not_the_baseline_has_no_paired_test():
     data = results({"base": BASE, "a": [11.0, 13.0], "b": [12.0, 14.0]}, {"a": [0.01, 0.01], "b": [0.01, 0.01]})
     outcome = judge(Check("b", "better", than="a"), data)

@@ -210,6 +210,15 @@ def test_a_bad_spec_is_one_line_before_anything_runs(corpus, tmp_path, change, w
     assert not (tmp_path / "out").exists()
 
 
+def test_a_cell_scored_on_another_test_set_is_refused_before_anything_trains(tmp_path):
+    spec = tmp_path / "lengths.toml"
+    spec.write_text(recall_spec([1]).replace('one = ["model.n_encoder_layers=1"]', 'one = ["data.max_len=24"]'))
+    result = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "out"), "--device", "cpu"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
+    assert "experiment.cells.one is scored on another test set than the baseline 'two'" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_run_that_diverges_is_an_outcome_scored_as_empty_output_and_kept(tmp_path):
     """A cell whose loss goes non-finite (lr 1e30) stops training, as `train` does, but the
     experiment goes on: the run counts as an empty output (accuracy 0, paired with the

@@ -195,11 +195,14 @@ def test_a_classification_baseline_on_other_examples_or_another_task_is_refused(
     system = two_classifiers / "long"
     other = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(two_classifiers / "other")])
     assert other.exit_code == 2 and "Traceback" not in other.output
-    assert "its test set has other examples" in other.stderr and "the same data.seed, n_test" in other.stderr
+    assert "its test set has other examples" in other.stderr and "the same [data] settings (seed, n_test" in other.stderr
     assert re.search(r"\(example \d+: (label '\d+' against '\d+'|the same label, another input)\)", other.stderr)
+    scored = (system / "eval" / "test.best.pred").stat().st_mtime_ns
     fewer = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(two_classifiers / "fewer")])
     assert fewer.exit_code == 2 and "(40 against 48 examples)" in fewer.stderr
-    assert not (two_classifiers / "fewer" / "eval.json").exists()  # refused before either run was scored
+    # refused before either run was scored
+    assert not (two_classifiers / "fewer" / "eval.json").exists()
+    assert (system / "eval" / "test.best.pred").stat().st_mtime_ns == scored
     translation = runner.invoke(app, ["eval", str(system), "--device", "cpu", "--baseline", str(two_runs[0])])
     assert translation.exit_code == 2 and "Traceback" not in translation.output
     assert "a translation run; a recall run compares with a recall run" in translation.stderr

@@ -192,9 +192,10 @@ def judge(check: Check, results: dict) -> Outcome:
         toward = [sign * d for d in diffs]
         other = "worse" if check.expect == "better" else "better"
         if all(t > 0 for t in toward) and significant and margin <= sign * mean <= upper:
+            if not margin:
+                return out("supported", f"{check.expect} in every seed")
             measured = f"{100 * sign * mean / base:.1f}%" if check.percent else f"{sign * mean:.2f}"
-            return out("supported", f"{check.expect} in every seed" + (f", by {measured} on average (claimed "
-                                                                       f"{claimed})" if margin else ""))
+            return out("supported", f"{check.expect} in every seed, by {measured} on average (claimed {claimed})")
         if all(t > upper for t in toward) and significant:
             return out("contradicted", f"{check.expect} in every seed, but by more than the claimed {claimed}")
         if all(t < 0 for t in toward) and significant:

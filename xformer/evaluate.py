@@ -74,11 +74,11 @@ def check_pairable(run_dir: Path, recipe: Recipe, baseline: Path, request: EvalR
         raise RunError(f"--baseline {baseline}: a {base_recipe.data.task} run; a {recipe.data.task} run compares "
                        f"with a {recipe.data.task} run")
     base_request = replace(request, checkpoint=None, quantize=None, ctranslate2=None)
-    own, other = _test_set(recipe, request), _test_set(base_recipe, base_request)
+    own, other = paired_set(recipe, request), paired_set(base_recipe, base_request)
     if own != other:
         translation = recipe.data.task == "translation"
         hint = ("pass the same --data to compare them" if translation or not isinstance(recipe.data, GeneratedData)
-                else "generate both with the same data.seed, n_test and max_len")
+                else "generate both with the same [data] settings (seed, n_test, max_len, the task's own)")
         raise DataError(f"--baseline {baseline}: its test set has other "
                         f"{'references' if translation else 'examples'} than {run_dir}'s "
                         f"({_first_difference(own, other, translation)}); {hint}")
@@ -105,7 +105,11 @@ def compare_with(result: TranslationEval | ClassificationEval, pairing: Pairing)
     return paired
 
 
-def _test_set(recipe: Recipe, request: EvalRequest) -> list:
+def paired_set(recipe: Recipe, request: EvalRequest | None = None) -> list:
+    """What a paired test needs to be the same in two runs: the references (translation) or the
+    (text, gold label) examples (classification) of the split or file `request` scores (default:
+    the test split)."""
+    request = request or EvalRequest()
     if recipe.data.task == "translation":
         return _references(recipe, request)
     return make_task(recipe).scored_set(request.split, request.data)
@@ -117,11 +121,13 @@ def _first_difference(own: list, other: list, translation: bool) -> str:
         return f"{len(other)} against {len(own)} {unit}s"
     i = next(i for i, (a, b) in enumerate(zip(own, other, strict=True)) if a != b)
     if translation:
-        return f"{unit} {i + 1}: {other[i][:60]!r} against {own[i][:60]!r}"
+        shorter = min(len(own[i]), len(other[i]))
+        at = next((k for k in range(shorter) if own[i][k] != other[i][k]), shorter)
+        start = max(at - 20, 0)
+        return f"{unit} {i + 1}: {other[i][start:at + 40]!r} against {own[i][start:at + 40]!r}"
     if own[i][1] != other[i][1]:
         return f"{unit} {i + 1}: label {other[i][1]!r} against {own[i][1]!r}"
     return f"{unit} {i + 1}: the same label, another input"
-
 
 
 def _references(recipe, request: EvalRequest) -> list[str]:

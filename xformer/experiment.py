@@ -49,7 +49,7 @@ from xformer.claims import Check, Claim, claim_from_table
 from xformer.config import Recipe
 from xformer.data.corpus import load_split
 from xformer.errors import DivergedError, RecipeError
-from xformer.evaluate import evaluate_run
+from xformer.evaluate import evaluate_run, paired_set
 from xformer.events import Event, ignore
 from xformer.experiment_report import SPEEDS, write_results
 from xformer.files import atomic_write_text
@@ -178,6 +178,7 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
     emit = on_event or ignore
     out_dir = Path(out_dir)
     finished = finished_runs(reuse, out_dir)
+    _one_test_set(experiment)
     out_dir.mkdir(parents=True, exist_ok=True)
     _pin(experiment, out_dir)
     plan = [(cell, seed) for cell in experiment.cells for seed in experiment.config.seeds]
@@ -322,17 +323,26 @@ def _mean(values: list) -> float | None:
 def _paired(mine: dict, base: dict, experiment: Experiment) -> dict:
     """The run against the baseline run of its seed on the test set: sacreBLEU's paired
     bootstrap (translation) or McNemar's exact test (classification)."""
-    recipe = experiment.recipe(mine["cell"], mine["seed"])
+    scored = paired_set(experiment.recipe(mine["cell"], mine["seed"]))  # the baseline's too: _one_test_set
     if mine["metric"] == "bleu":
-        d = recipe.data
-        refs = list(load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None,
-                               complete=True)[d.target_lang])
         hyps = [Path(r["hypotheses"]).read_text(encoding="utf-8").splitlines() for r in (mine, base)]
-        p = paired_bleu(hyps[0], hyps[1], refs)
+        p = paired_bleu(hyps[0], hyps[1], scored)
     else:
-        gold = [label for _, label in make_task(recipe).scored_set(None, None)]
+        gold = [label for _, label in scored]
         p = mcnemar(*(right_or_wrong(r["predictions"], gold) for r in (mine, base)))
     return {"seed": mine["seed"], "difference": p["difference"], "p_value": p["p_value"]}
+
+
+def _one_test_set(experiment: Experiment) -> None:
+    """Every cell is paired with the baseline on one test set: a cell whose overrides change it
+    (data.max_len of a generated task, another corpus) is refused before anything trains."""
+    seed, baseline = experiment.config.seeds[0], experiment.config.baseline
+    scored = paired_set(experiment.recipe(baseline, seed))
+    for cell in experiment.cells:
+        if cell != baseline and paired_set(experiment.recipe(cell, seed)) != scored:
+            raise RecipeError(f"{experiment.source}: experiment.cells.{cell} is scored on another test set than the "
+                              f"baseline {baseline!r} (its overrides change the data); a paired comparison needs one "
+                              "test set: vary data settings with xformer longrange, or in separate experiments")
 
 
 def _pin(experiment: Experiment, out_dir: Path) -> None:

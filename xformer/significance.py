@@ -2,8 +2,8 @@
 paired bootstrap resampling (Koehn 2004, as `sacrebleu --paired-bs` runs it): both systems are
 scored on the same resampled sets of sentences; the p-value is two-sided, the share of
 resamples whose absolute gap, centred on the resamples' mean gap, exceeds the observed
-absolute gap (with +1 smoothing); each system also gets its mean and 95% confidence interval
-over the resamples.
+absolute gap (with +1 smoothing), except that no observed gap (equal BLEU) is p = 1; each
+system also gets its mean and 95% confidence interval over the resamples.
 
 Resampling draws with sacreBLEU's own seed (SACREBLEU_SEED, 12345 unless set), so the same
 inputs give the same p-value in every process.
@@ -38,9 +38,9 @@ def paired_bleu(hypotheses: list[str], baseline: list[str], references: list[str
                       [list(references)], test_type="bs", n_samples=samples)
     signatures, results = test()
     base, system = results["BLEU"]
-    # Identical outputs, or outputs that tie in every resample (two models that output nothing
-    # right: BLEU 0 both), differ in no resample, and sacreBLEU's count (resampled gaps strictly
-    # above the observed one) then gives its smallest p-value: no observed gap is p = 1.
+    # An observed gap of exactly 0 is p = 1: sacreBLEU's strict count gives ~0.5 there, and its
+    # smallest p-value, 1 / (samples + 1), when every resample ties too (identical outputs, or
+    # two models that get nothing right: BLEU 0 both), which would read as significant.
     tied = list(hypotheses) == list(baseline) or float(system.score) == float(base.score)
     p_value = 1.0 if tied else float(system.p_value)
     return {
