@@ -178,7 +178,7 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
     emit = on_event or ignore
     out_dir = Path(out_dir)
     finished = finished_runs(reuse, out_dir)
-    _one_test_set(experiment)
+    scored = _one_test_set(experiment)
     out_dir.mkdir(parents=True, exist_ok=True)
     _pin(experiment, out_dir)
     plan = [(cell, seed) for cell in experiment.cells for seed in experiment.config.seeds]
@@ -211,7 +211,7 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
             rows[(cell, seed)] = _score_diverged(experiment, run_dir, cell, seed, diverged)
             emit("diverged", rows[(cell, seed)])
         emit("run_end", rows[(cell, seed)])
-    result = _compare(experiment, rows, out_dir)
+    result = _compare(experiment, rows, scored, out_dir)
     write_results(result, out_dir)
     return result
 
@@ -292,7 +292,7 @@ def _score_diverged(experiment: Experiment, run_dir: Path, cell: str, seed: int,
             "copied_from": None, "diverged_at": step, "run_dir": str(run_dir)}
 
 
-def _compare(experiment: Experiment, rows: dict, out_dir: Path) -> ExperimentResult:
+def _compare(experiment: Experiment, rows: dict, scored: list, out_dir: Path) -> ExperimentResult:
     c = experiment.config
     cells = []
     for cell in experiment.cells:
@@ -307,7 +307,7 @@ def _compare(experiment: Experiment, rows: dict, out_dir: Path) -> ExperimentRes
         if cell != c.baseline:
             base = [rows[(c.baseline, s)] for s in c.seeds]
             entry["difference"] = statistics.fmean(m["test"] - b["test"] for m, b in zip(mine, base, strict=True))
-            entry["paired"] = [_paired(m, b, experiment) for m, b in zip(mine, base, strict=True)]
+            entry["paired"] = [_paired(m, b, scored) for m, b in zip(mine, base, strict=True)]
             entry["significant_seeds"] = sum(p["p_value"] < SIGNIFICANT for p in entry["paired"])
         cells.append(entry)
     metric = rows[(c.baseline, c.seeds[0])]["metric"]
@@ -320,10 +320,10 @@ def _mean(values: list) -> float | None:
     return statistics.fmean(values) if values and None not in values else None
 
 
-def _paired(mine: dict, base: dict, experiment: Experiment) -> dict:
-    """The run against the baseline run of its seed on the test set: sacreBLEU's paired
-    bootstrap (translation) or McNemar's exact test (classification)."""
-    scored = paired_set(experiment.recipe(mine["cell"], mine["seed"]))  # the baseline's too: _one_test_set
+def _paired(mine: dict, base: dict, scored: list) -> dict:
+    """The run against the baseline run of its seed on the test set every cell shares
+    (`scored`, evaluate.paired_set): sacreBLEU's paired bootstrap (translation) or McNemar's
+    exact test (classification)."""
     if mine["metric"] == "bleu":
         hyps = [Path(r["hypotheses"]).read_text(encoding="utf-8").splitlines() for r in (mine, base)]
         p = paired_bleu(hyps[0], hyps[1], scored)
@@ -333,9 +333,10 @@ def _paired(mine: dict, base: dict, experiment: Experiment) -> dict:
     return {"seed": mine["seed"], "difference": p["difference"], "p_value": p["p_value"]}
 
 
-def _one_test_set(experiment: Experiment) -> None:
-    """Every cell is paired with the baseline on one test set: a cell whose overrides change it
-    (data.max_len of a generated task, another corpus) is refused before anything trains."""
+def _one_test_set(experiment: Experiment) -> list:
+    """The test set every cell is scored on (evaluate.paired_set), read once: a cell whose
+    overrides change it (data.max_len of a generated task, another corpus) is refused before
+    anything trains, since a paired test needs one."""
     seed, baseline = experiment.config.seeds[0], experiment.config.baseline
     scored = paired_set(experiment.recipe(baseline, seed))
     for cell in experiment.cells:
@@ -343,6 +344,7 @@ def _one_test_set(experiment: Experiment) -> None:
             raise RecipeError(f"{experiment.source}: experiment.cells.{cell} is scored on another test set than the "
                               f"baseline {baseline!r} (its overrides change the data); a paired comparison needs one "
                               "test set: vary data settings with xformer longrange, or in separate experiments")
+    return scored
 
 
 def _pin(experiment: Experiment, out_dir: Path) -> None:
