@@ -32,28 +32,53 @@ def quiet_span(seconds: float = 1.0) -> float:
     return meter.cores()
 
 
-def test_a_competing_process_is_counted(every_core_mine):
-    background = quiet_span()  # whatever else this machine runs already
+def against_background(measure, holds, attempts: int = 3) -> list[tuple[float, float, float]]:
+    """Background load before, `measure()`, background after, until `holds(measured, before,
+    after)`: the suite may run beside other work (a pip install, an experiment) whose load comes
+    and goes, so a noisy attempt is tried again. A broken meter fails every attempt. Returns
+    the attempts' (before, measured, after), the last one the one that held (or not)."""
+    tried = []
+    for _ in range(attempts):
+        before = quiet_span()
+        measured = measure()
+        after = quiet_span()
+        tried.append((before, measured, after))
+        if holds(measured, before, after):
+            break
+    return tried
+
+
+def spun(meter_seconds: float = 2.0) -> float:
+    """Cores others took over `meter_seconds` while one other process spins a core."""
     spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
     try:
         time.sleep(0.3)  # let it start
         meter = OtherLoad()
-        time.sleep(2.0)
-        crowded = meter.cores()
+        time.sleep(meter_seconds)
+        return meter.cores()
     finally:
         spinner.kill()
         spinner.wait()
-    assert crowded > background + 0.5  # one spinning core, less what the clock ticks lose
+
+
+def test_a_competing_process_is_counted(every_core_mine):
+    # one spinning core, less what the clock ticks lose, above whatever else this machine runs
+    tried = against_background(spun, lambda crowded, before, after: crowded > max(before, after) + 0.5)
+    before, crowded, after = tried[-1]
+    assert crowded > max(before, after) + 0.5, tried
     assert busy(crowded)
 
 
 def test_this_process_own_work_is_not_counted(every_core_mine):
-    background = quiet_span()
-    meter = OtherLoad()
-    stop = time.perf_counter() + 2.0
-    while time.perf_counter() < stop:  # a whole core of this process's own
-        pass
-    assert meter.cores() < background + 0.5
+    def own_work() -> float:
+        meter = OtherLoad()
+        stop = time.perf_counter() + 2.0
+        while time.perf_counter() < stop:  # a whole core of this process's own
+            pass
+        return meter.cores()
+
+    tried = against_background(own_work, lambda cores, before, after: cores < max(before, after) + 0.5)
+    assert tried[-1][1] < max(tried[-1][0], tried[-1][2]) + 0.5, tried
 
 
 def test_cores_left_spare_absorb_what_others_use():
@@ -62,21 +87,14 @@ def test_cores_left_spare_absorb_what_others_use():
     before = torch.get_num_threads()
     torch.set_num_threads(1)  # a core or more left spare for the spinner
     try:
-        background = quiet_span()
-        spinner = subprocess.Popen([sys.executable, "-c", "while True: pass"])
-        try:
-            time.sleep(0.3)
-            meter = OtherLoad()
-            time.sleep(2.0)
-            assert meter.cores() < background + 0.5
-        finally:
-            spinner.kill()
-            spinner.wait()
+        tried = against_background(spun, lambda cores, before, after: cores < max(before, after) + 0.5)
     finally:
         torch.set_num_threads(before)
+    assert tried[-1][1] < max(tried[-1][0], tried[-1][2]) + 0.5, tried
 
 
-def test_a_run_trained_beside_spinning_processes_records_them(corpus, tmp_path, every_core_mine):
+def test_a_run_trained_beside_spinning_processes_records_them(corpus, tmp_path, every_core_mine, monkeypatch):
+    monkeypatch.setattr(cpuload, "MIN_SECONDS", 0.0)  # a fast CPU trains these 20 steps in under a second
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in cpuload._allowed_cpus()]
     try:
         time.sleep(0.3)
@@ -85,7 +103,7 @@ def test_a_run_trained_beside_spinning_processes_records_them(corpus, tmp_path, 
         for spinner in spinners:
             spinner.kill()
             spinner.wait()
-    assert result.train_seconds >= cpuload.MIN_SECONDS and busy(result.others_cpu)
+    assert busy(result.others_cpu)
     assert json.loads((tmp_path / "r" / "train.json").read_text())["others_cpu"] == result.others_cpu
 
 

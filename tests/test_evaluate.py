@@ -166,8 +166,10 @@ def test_int8_scores_in_files_of_its_own_and_stays_close_to_fp32(trained):
 
 
 @pytest.mark.skipif(not cpuload.PROC_STAT.is_file(), reason="/proc/stat is Linux's")
-def test_a_score_timed_beside_other_work_says_so(trained):
-    """Every allowed core spun by another process: the speed is not this machine's, and eval says so."""
+def test_a_score_timed_beside_other_work_says_so(trained, monkeypatch):
+    """Every allowed core spun by another process: the speed is not this machine's, and eval says so.
+    The shortest span measured is lowered: a fast CPU scores this run in under a second."""
+    monkeypatch.setattr(cpuload, "MIN_SECONDS", 0.0)
     spinners = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                 for _ in cpuload._allowed_cpus()]
     try:

@@ -5,9 +5,13 @@ from xformer.errors import XformerError
 from xformer.runtime import resolve_runtime
 
 
-def test_cpu_defaults_to_fp32_without_a_scaler():
-    rt = resolve_runtime("cpu", "auto")
-    assert (rt.device.type, rt.precision, rt.scaler) == ("cpu", "fp32", None)
+def test_the_cpu_never_gets_a_gradient_scaler(cpu):
+    """Whatever auto picks on the CPU (fp32 where bf16 is emulated, bf16 where it is native),
+    no fp16 scaler is made: the capability is pretended, never read off the machine at hand."""
+    cpu([])
+    assert (rt := resolve_runtime("cpu", "auto")).precision == "fp32" and rt.scaler is None
+    cpu(["amx_bf16"], ratio=0.3)
+    assert (rt := resolve_runtime("cpu", "auto")).precision == "bf16" and rt.scaler is None
 
 
 def test_bf16_on_the_cpu_autocasts_matmuls():

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from xformer import cpuload
 from xformer.checkpoint import (
     average_checkpoints,
     load_model_weights,
@@ -35,7 +36,7 @@ from xformer.checkpoint import (
 )
 from xformer.compiling import compiled_forward
 from xformer.config import Recipe
-from xformer.cpuload import MIN_SECONDS, OtherLoad
+from xformer.cpuload import OtherLoad
 from xformer.distributed import Cluster, cluster_from_env
 from xformer.errors import DivergedError, RunError
 from xformer.events import Event, ignore
@@ -392,7 +393,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         stop_signal=signals.name,
         # under torch.distributed the other processes are this run's own: not measured
         others_cpu=progress.others_cpu_seconds / progress.seconds
-        if others.available and progress.seconds >= MIN_SECONDS and cluster.world == 1 else None,
+        if others.available and progress.seconds >= cpuload.MIN_SECONDS and cluster.world == 1 else None,
     )
     if cluster.writer:
         atomic_write_text(out_dir / "train.json",
