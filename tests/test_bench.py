@@ -6,6 +6,7 @@ import json
 import pytest
 from typer.testing import CliRunner
 
+from tests.extras import need
 from xformer.bench import AttentionBenchConfig, _slope, bench_attention
 from xformer_cli.main import app
 
@@ -141,7 +142,7 @@ def test_real_batches_are_xformers_token_buckets_and_every_peer_trains_on_them(c
 
 @pytest.mark.slow
 def test_bench_peers_against_hf_marian_through_the_cli():
-    pytest.importorskip("transformers")
+    need("transformers")
     result = CliRunner().invoke(app, ["bench", "peers", "--peer", "xformer", "--peer", "marian", "--peer", "torch_nn",
                                       "--rounds", "1", "--steps", "1", "--batch", "2", "--sentences", "2",
                                       "--device", "cpu", "--json"])

@@ -8,6 +8,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from tests.extras import need
 from tests.test_train import tiny_recipe
 from xformer.decode import greedy_decode
 from xformer.recipe_io import load_run_recipe
@@ -26,7 +27,7 @@ def trained(corpus, tmp_path_factory):
 
 
 def test_the_hf_export_is_the_same_model(trained, tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = need("transformers")
     out = tmp_path / "hf"
     result = runner.invoke(app, ["export", str(trained), "--format", "hf", "--out", str(out)])
     assert result.exit_code == 0, result.output
@@ -70,8 +71,8 @@ def test_a_model_marian_cannot_express_is_refused_by_field(trained, tmp_path):
 
 
 def test_ctranslate2_decodes_the_export_as_xformer_does(trained, tmp_path):
-    pytest.importorskip("transformers")
-    pytest.importorskip("ctranslate2")
+    need("transformers")
+    need("ctranslate2")
     out = tmp_path / "ct2"
     result = runner.invoke(app, ["export", str(trained), "--format", "ctranslate2", "--out", str(out)])
     assert result.exit_code == 0, result.output
