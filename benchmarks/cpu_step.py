@@ -1,9 +1,11 @@
 """Where a CPU training step of a translation recipe goes, and what xformer's CPU changes buy.
 
-    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \\
-        python benchmarks/cpu_step.py [RECIPE] [--data ../shared/data/multi30k] [--steps 30] [--compile]
+    python benchmarks/cpu_step.py [RECIPE] [--data ../shared/data/multi30k] [--steps 30] [--compile] [--steps-only]
 
-Prints, each measured in this run against its own baseline:
+glibc malloc is tuned first, as the xformer command does (xformer.allocator;
+XFORMER_ALLOCATOR=system leaves it as it comes: benchmarks/allocator.py alternates the two).
+
+Prints, each measured in this run against its own baseline (--steps-only: the first only):
   1. seconds per optimizer step of the recipe's model on its own training batches: fp32 with
      the fast paths (what `xformer train` runs), fp32 with the per-tensor Adam instead of the
      fused one, fp32 through torch.compile (with --compile), and bf16 autocast where this
@@ -29,6 +31,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from xformer.allocator import tune_allocator
 from xformer.model.dropout import dropout, use_fast_dropout
 from xformer.optim import build_optimizer
 from xformer.recipe_io import load_recipe
@@ -96,7 +99,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--json", default=None)
     parser.add_argument("--compile", action="store_true", help="also time the step through torch.compile")
+    parser.add_argument("--steps-only", action="store_true", help="time the training steps, nothing else")
     args = parser.parse_args()
+    tune_allocator()
     native_bf16 = cpu_bf16()[0]
 
     # the one-best segmentation: sampling changes the batches, not the cost of a step
@@ -117,6 +122,10 @@ def main() -> None:
         ratio = results[f"step_s_{name}"] / results["step_s_fp32"]
         print(f"{name}: {results[f'step_s_{name}']:.3f} s/step ({ratio:.2f}x fp32 with the fast paths)", flush=True)
 
+    if args.steps_only:
+        if args.json:
+            Path(args.json).write_text(json.dumps(results, indent=2))
+        return
     x = torch.randn(4096, recipe.model.d_model)
     p = recipe.model.dropout
     results["dropout_ms_torch"] = forward_backward_ms(lambda t: F.dropout(t, p, True), x)

@@ -12,9 +12,9 @@
 # VALID_ONLY=1 (stop after the validation table: for tuning sweeps, which must not see test),
 # SKIP_TRAIN=1 (score an existing run), AVERAGES (e.g. "5": also average the newest 5 kept step
 # checkpoints, `xformer average`, and let validation choose among them; needs train.average_last
-# >= 5), ALLOCATOR (a malloc library to preload for training;
-# default: libtcmalloc_minimal when installed, which made CPU training ~13% faster here; none
-# to use glibc's), LENPENS (the length penalties tried on validation, default "0.6 1.0 1.4 1.8 2.2
+# >= 5), ALLOCATOR (a malloc library to preload for training, e.g. libtcmalloc_minimal.so.4;
+# default: none, so training runs as `xformer train` does for any user, on glibc malloc tuned
+# by xformer.allocator; XFORMER_ALLOCATOR=system leaves glibc as it comes), LENPENS (the length penalties tried on validation, default "0.6 1.0 1.4 1.8 2.2
 # 2.6 3.0").
 #
 # Prints one JSON line per evaluation and a final summary line; everything is also in the run
@@ -33,9 +33,9 @@ if [ -z "${SKIP_TRAIN:-}" ]; then
   sets=(--set "data.dataset=\"$data\"")
   for s in ${SETS:-}; do sets+=(--set "$s"); done
   if [ -n "${MAX_STEPS:-}" ]; then sets+=(--max-steps "$MAX_STEPS"); fi
-  alloc=${ALLOCATOR:-$(ls /usr/lib/*-linux-gnu/libtcmalloc_minimal.so.4 2>/dev/null | head -1 || true)}
+  alloc=${ALLOCATOR:-}
   if [ "$alloc" = none ]; then alloc=; fi
-  echo "{\"allocator\": \"${alloc:-glibc}\"}"
+  echo "{\"allocator\": \"${alloc:-glibc, XFORMER_ALLOCATOR=${XFORMER_ALLOCATOR:-tuned}}\"}"
   LD_PRELOAD=$alloc xformer train "$recipe" "${sets[@]}" --max-time "$minutes" --device "$device" --out "$run" --overwrite
 fi
 python3 - "$run" "$device" "${VALID_ONLY:-}" "${AVERAGES:-}" "${LENPENS:-0.6 1.0 1.4 1.8 2.2 2.6 3.0}" <<'PY'

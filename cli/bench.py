@@ -139,11 +139,14 @@ def train(
     as_json: JsonOption = False,
 ) -> None:
     """Training speed on the peers' workload (3 + 3 layers, d 256, FFN 1024, vocabulary 8000,
-    batches of 24 + 24 tokens): target tokens/s per round and MFU against a matmul peak."""
+    batches of 24 + 24 tokens): target tokens/s, model GFLOP/s and minor page faults per step,
+    per round; MFU against a matmul peak, the peak RSS and the allocator."""
     config = _model_config(rounds, batch, precision, device, steps=steps)
     result = bench_train(config, on_event=lambda kind, p: console.print(
         f"[dim]round {p['round']}: {p['tokens_per_s']:,.0f} target tokens/s[/dim]"))
-    _show(result, out, as_json, f"MFU {result.mfu:.2f} of a {result.matmul_peak_gflops:,.0f} GFLOP/s matmul peak")
+    tuned = "tuned" if result.allocator["tuned"] else result.allocator["reason"] or "glibc's defaults"
+    _show(result, out, as_json, f"MFU {result.mfu:.2f} of a {result.matmul_peak_gflops:,.0f} GFLOP/s matmul peak; "
+          f"peak RSS {result.peak_rss_mb:,.0f} MB; allocator {result.allocator['name']} ({tuned})")
 
 
 @bench_app.command("decode", cls=Command)

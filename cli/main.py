@@ -7,6 +7,8 @@ from typing import Annotated
 import typer
 
 import xformer
+from xformer.allocator import tune_allocator
+from xformer.errors import XformerError
 from xformer_cli.average import average
 from xformer_cli.bench import bench_app
 from xformer_cli.check import check
@@ -48,6 +50,11 @@ def main(
 ) -> None:
     """Train, evaluate and take apart Transformer models."""
     ctx.obj = {"debug": debug}  # read by common.user_errors through the context
+    try:
+        tune_allocator()  # before the first large tensor; reaches the processes this one starts
+    except XformerError as error:
+        typer.echo("\n".join(error.problems), err=True)
+        raise typer.Exit(error.exit_code) from None
     import datasets
 
     datasets.disable_progress_bars()  # our own progress display reports the long steps

@@ -87,6 +87,13 @@ def test_the_model_benches_print_their_figures_and_count_flops_as_written():
     report = json.loads(trained.stdout)
     figure = report["figures"]["train_target_tokens_per_s"]
     assert len(figure["rounds"]) == 2 and figure["min"] <= figure["median"] <= figure["max"] and 0 < report["mfu"]
+    # each round's model GFLOP/s is its tokens/s times the FLOPs of a step over its target tokens
+    step_flops = train_flops(ModelConfig(d_model=256, n_heads=4, d_ff=1024, n_encoder_layers=3, n_decoder_layers=3),
+                             8000, 2, 24, 24)
+    for tokens, gflops in zip(figure["rounds"], report["figures"]["model_gflop_per_s"]["rounds"], strict=True):
+        assert gflops == pytest.approx(tokens / (2 * 24) * step_flops / 1e9)
+    assert all(f >= 0 for f in report["figures"]["minor_faults_per_step"]["rounds"])
+    assert report["peak_rss_mb"] > 0 and report["allocator"]["name"]
     decoded = CliRunner().invoke(app, ["bench", "decode", "--rounds", "1", "--batch", "2", "--sentences", "4",
                                        "--new-tokens", "3", "--beam", "2", "--device", "cpu"])
     assert decoded.exit_code == 0, decoded.output

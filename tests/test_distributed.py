@@ -4,6 +4,7 @@ plan that cannot be shared."""
 
 import json
 import os
+import platform
 import subprocess
 import time
 from pathlib import Path
@@ -60,6 +61,8 @@ def test_two_gloo_processes_train_what_one_process_trains_on_the_same_global_bat
     summary = json.loads((tmp_path / "two" / "train.json").read_text())
     assert summary["card"]["processes"] == 2
     assert summary["others_cpu"] is None  # the other process is the run's own, not another job
+    # torchrun's workers run the xformer command, which tunes glibc malloc in each of them
+    assert summary["card"]["allocator"]["tuned"] == (platform.libc_ver()[0] == "glibc")
 
 
 def test_a_process_that_dies_stops_the_others_and_the_run_resumes(corpus, tmp_path):

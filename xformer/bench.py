@@ -13,12 +13,14 @@ exceeds `memory_limit_mb`, or that follows a cell of the same series slower than
 from __future__ import annotations
 
 import math
+import resource
 import statistics
 import time
 from dataclasses import dataclass, field
 
 import torch
 
+from xformer.allocator import allocator
 from xformer.config import ModelConfig
 from xformer.decode import beam_search, greedy_decode
 from xformer.events import Event, ignore
@@ -252,6 +254,8 @@ class ModelBench(Result):
     figures: dict  # name -> {"median", "min", "max", "rounds"}
     matmul_peak_gflops: float | None = None  # measured at the start (bench_train)
     mfu: float | None = None  # model FLOP/s of the median round over the matmul peak
+    peak_rss_mb: float | None = None  # the process's peak resident set (bench_train; Linux)
+    allocator: dict | None = None  # the C allocator in effect (xformer.allocator)
 
 
 def _model(config: ModelBenchConfig, device: torch.device):
@@ -295,8 +299,10 @@ def train_flops(cfg: ModelConfig, vocab: int, batch: int, src_len: int, tgt_len:
 
 def bench_train(config: ModelBenchConfig | None = None, *, on_event: Event | None = None) -> ModelBench:
     """Target tokens/s of training steps (forward, label-smoothed loss, backward, Adam), one
-    figure per round of `steps` steps after a warm-up step; MFU against a matmul peak measured
-    first. Events: "round" {"round", "tokens_per_s"}."""
+    figure per round of `steps` steps after a warm-up step, with the model GFLOP/s and the
+    minor page faults per step of each round (the kernel's count: what malloc's mmap churn costs,
+    xformer.allocator); MFU against a matmul peak measured first, and the process's peak RSS.
+    Events: "round" {"round", "tokens_per_s"}."""
     config = config or ModelBenchConfig()
     emit = on_event or ignore
     rt = resolve_runtime(config.device, config.precision)
@@ -319,24 +325,29 @@ def bench_train(config: ModelBenchConfig | None = None, *, on_event: Event | Non
         optimizer.zero_grad(set_to_none=True)
 
     step()  # warm-up
-    rates = []
+    flops = train_flops(cfg, config.vocab, config.batch, config.src_len, config.tgt_len)
+    rates, gflops, faults = [], [], []
     for index in range(config.rounds):
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
-        started = time.perf_counter()
+        started, faulted = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         for _ in range(config.steps):
             step()
         if rt.device.type == "cuda":
             torch.cuda.synchronize(rt.device)
-        rates.append(config.steps * config.batch * config.tgt_len / (time.perf_counter() - started))
+        seconds = time.perf_counter() - started
+        faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faulted) / config.steps)
+        rates.append(config.steps * config.batch * config.tgt_len / seconds)
+        gflops.append(config.steps * flops / seconds / 1e9)
         emit("round", {"round": index + 1, "tokens_per_s": rates[-1]})
     figure = _figure(rates)
     steps_per_s = figure["median"] / (config.batch * config.tgt_len)
-    flops = train_flops(cfg, config.vocab, config.batch, config.src_len, config.tgt_len)
     return ModelBench(device=str(rt.device), precision=rt.precision, config=vars(config),
                       parameters=sum(p.numel() for p in model.parameters()),
-                      figures={"train_target_tokens_per_s": figure}, matmul_peak_gflops=peak,
-                      mfu=flops * steps_per_s / (peak * 1e9))
+                      figures={"train_target_tokens_per_s": figure, "model_gflop_per_s": _figure(gflops),
+                               "minor_faults_per_step": _figure(faults)},
+                      matmul_peak_gflops=peak, mfu=flops * steps_per_s / (peak * 1e9),
+                      peak_rss_mb=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024, allocator=allocator())
 
 
 def bench_decode(config: ModelBenchConfig | None = None, *, on_event: Event | None = None) -> ModelBench:

@@ -3,7 +3,8 @@
 `xformer train` puts it in RUN/train.json ("card") and `xformer eval` in every eval JSON: the
 resolved recipe and seed, xformer's version and git commit (when it runs from a checkout),
 the versions of torch, sacreBLEU, sentencepiece and datasets, Python, the platform and CPU,
-the device, the precision and why, the command line, and a fingerprint of each local data
+the device, the precision and why, the C allocator and its settings (xformer.allocator), the
+command line, and a fingerprint of each local data
 file read (sha256 of its bytes). A Hub corpus is named with the revision datasets resolved,
 not hashed. Evaluation compares the fingerprint of the split it reads with training's and
 says when they differ (xformer.tasks)."""
@@ -18,6 +19,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
+from xformer.allocator import allocator
 from xformer.config import Recipe
 from xformer.data.corpus import local_files
 from xformer.runtime import Runtime
@@ -31,7 +33,7 @@ def run_card(recipe: Recipe, rt: Runtime | None, data: dict[str, str] | None = N
     (data_fingerprints)."""
     return {"recipe": recipe.to_dict(), "seed": recipe.train.seed, **environment(),
             "device": str(rt.device) if rt else None, "precision": rt.precision if rt else None,
-            "precision_reason": rt.reason if rt else None,
+            "precision_reason": rt.reason if rt else None, "allocator": allocator(),
             "command": [Path(sys.argv[0]).name, *sys.argv[1:]], "data": data or {}}
 
 

@@ -1,0 +1,151 @@
+"""glibc malloc's defaults against xformer's tuned allocator (xformer.allocator), alternated in one run.
+
+    python benchmarks/allocator.py [--data ../shared/data/multi30k] [--repeats 2]
+        [--only bench_train,cpu_step,translate,longrange,experiment] [--flagship-steps 0] [--json FILE]
+
+Each workload runs as a whole process, once with XFORMER_ALLOCATOR=system (glibc as it comes) and
+once tuned, alternated `--repeats` times (system, tuned, system, tuned, ...) so a drift of the
+machine falls on both. For each process the kernel's own accounting (wait4's rusage) gives the
+minor page faults, the peak resident set and the system CPU share; the workload's own figure
+(GFLOP/s, seconds per step) comes from its JSON. Printed: a table per workload and the
+tuned / system ratios; --json writes every process's figures.
+
+    bench_train   xformer bench train --device cpu --steps 10 --rounds 2 (the peers' workload)
+    cpu_step      benchmarks/cpu_step.py --steps-only: the flagship recipe's own training step
+    translate     xformer translate of 10,000 Multi30k training sources with a flagship-sized run
+    longrange     xformer longrange, recall at 512..4,096 tokens, 20 steps a run (one process)
+    experiment    xformer experiment, three flagship-sized cells of 30 steps (one process)
+    flagship      (--flagship-steps N > 0) xformer train of the flagship recipe for N steps, as many
+                  as a 50-minute run takes on the CPU at hand (943 on a 2-core AVX2 EPYC in fp32)
+
+A flagship-sized run to translate with is trained first (60 steps) and kept in a temporary folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "translation" / "multi30k_de_en.toml"
+XFORMER = [sys.executable, "-m", "xformer_cli"]
+
+
+def measured(command: list[str], allocator: str, stdout: Path | None = None) -> dict:
+    """Run `command` under XFORMER_ALLOCATOR=`allocator` (no MALLOC_*_ inherited); the kernel's
+    figures of the process and its children."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env["XFORMER_ALLOCATOR"] = allocator
+    started = time.perf_counter()
+    with open(stdout or os.devnull, "w") as out:
+        process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.PIPE, text=True)
+        _, status, usage = os.wait4(process.pid, 0)
+    wall = time.perf_counter() - started
+    error = process.stderr.read()
+    process.stderr.close()
+    if status != 0:
+        raise SystemExit(f"{' '.join(command)} (XFORMER_ALLOCATOR={allocator}) failed:\n{error[-2000:]}")
+    cpu = usage.ru_utime + usage.ru_stime
+    return {"wall_s": wall, "minor_faults": usage.ru_minflt, "peak_rss_mb": usage.ru_maxrss / 1024,
+            "system_share": usage.ru_stime / cpu if cpu else 0.0}
+
+
+def workloads(args, scratch: Path) -> dict[str, tuple[list[str], callable]]:
+    """name -> (command line, reader of the workload's own figure from its stdout file)."""
+    data = f"data.dataset={json.dumps(str(Path(args.data).resolve()))}"
+    run = scratch / "flagship"
+    sources = scratch / "sources.de"
+    lines = (Path(args.data) / "train.jsonl").read_text(encoding="utf-8").splitlines()[:10_000]
+    sources.write_text("\n".join(json.loads(line)["de"] for line in lines) + "\n", encoding="utf-8")
+
+    def gflops(stdout: Path, _: Path) -> dict:
+        report = json.loads(stdout.read_text())
+        return {"model_gflop_per_s": report["figures"]["model_gflop_per_s"]["median"],
+                "faults_per_step": report["figures"]["minor_faults_per_step"]["median"]}
+
+    def step_seconds(_: Path, written: Path) -> dict:
+        return {k: v for k, v in json.loads(written.read_text()).items() if k.startswith("step_s_")}
+
+    def nothing(*_: Path) -> dict:
+        return {}
+
+    return {
+        "bench_train": ([*XFORMER, "bench", "train", "--device", "cpu", "--steps", "10", "--rounds", "2", "--json"],
+                        gflops),
+        "cpu_step": ([sys.executable, str(ROOT / "benchmarks" / "cpu_step.py"), str(RECIPE), "--data", args.data,
+                      "--steps", "20", "--steps-only", "--json", "{json}"], step_seconds),
+        "translate": ([*XFORMER, "translate", str(run), "--input", str(sources), "--beam", "5", "--device", "cpu"],
+                      nothing),
+        "longrange": ([*XFORMER, "longrange", str(ROOT / "recipes" / "longrange" / "recall_cpu_sweep.toml"),
+                       "--set", "sweep.lengths=[512,1024,2048,4096]", "--set", "sweep.max_steps=20",
+                       "--set", "sweep.max_time=0", "--device", "cpu", "--out", str(scratch / "longrange-{n}")],
+                      nothing),
+        "experiment": ([*XFORMER, "experiment", str(ROOT / "recipes" / "claims" / "activations.toml"),
+                        "--set", "experiment.seeds=[1]", "--set", "experiment.max_steps=30", "--set", data,
+                        "--set", "eval.beam=1", "--device", "cpu", "--out", str(scratch / "experiment-{n}")], nothing),
+        "flagship": ([*XFORMER, "train", str(RECIPE), "--set", data, "--set", "train.max_time=0.0",
+                      "--max-steps", str(args.flagship_steps), "--device", "cpu",
+                      "--out", str(scratch / "flagship-{n}")], nothing),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "multi30k"))
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--only", default="bench_train,cpu_step,translate,longrange,experiment")
+    parser.add_argument("--flagship-steps", type=int, default=0)
+    parser.add_argument("--json", default=None)
+    args = parser.parse_args()
+    names = [n for n in args.only.split(",") if n] + (["flagship"] if args.flagship_steps > 0 else [])
+    results: dict[str, list[dict]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        scratch = Path(tmp)
+        jobs = workloads(args, scratch)
+        if "translate" in names:
+            data = f"data.dataset={json.dumps(str(Path(args.data).resolve()))}"
+            measured([*XFORMER, "train", str(RECIPE), "--set", data, "--max-steps", "60", "--device", "cpu",
+                      "--out", str(scratch / "flagship")], "tuned")
+        count = 0
+        for name in names:
+            command, read = jobs[name]
+            results[name] = []
+            for repeat in range(args.repeats):
+                for allocator in ("system", "tuned"):
+                    count += 1
+                    stdout, written = scratch / f"{name}-{count}.out", scratch / f"{name}-{count}.json"
+                    line = [part.replace("{n}", str(count)).replace("{json}", str(written)) for part in command]
+                    figures = measured(line, allocator, stdout)
+                    figures |= read(stdout, written)
+                    results[name].append({"allocator": allocator, "repeat": repeat + 1, **figures})
+                    print(f"{name} {allocator} #{repeat + 1}: " + ", ".join(
+                        f"{k} {v:,.3f}" if isinstance(v, float) else f"{k} {v:,}" for k, v in figures.items()),
+                        flush=True)
+    print()
+    for name, rows in results.items():
+        keys = [k for k in rows[0] if k not in ("allocator", "repeat")]
+        print(f"{name}: tuned / system (medians over {args.repeats} alternations)")
+        for key in keys:
+            system = statistics.median(r[key] for r in rows if r["allocator"] == "system")
+            tuned = statistics.median(r[key] for r in rows if r["allocator"] == "tuned")
+            print(f"  {key:>20}: system {system:>12,.3f}  tuned {tuned:>12,.3f}  ratio "
+                  f"{tuned / system if system else float('nan'):.3f}")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "results": results}, indent=2))
+
+
+def cpu_name() -> str:
+    from xformer.runcard import cpu_name as name
+
+    return name()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""xformer.allocator: with glibc tuned, a large tensor allocated again and again reuses the heap
+instead of faulting in fresh pages each time (the kernel's page-fault count, not a timing, is the
+measure); the tuning reaches child processes, can be turned off, is never an import side effect,
+and the run card says what was in effect."""
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+from typer.testing import CliRunner
+
+from xformer import allocator as alloc
+from xformer_cli.main import app
+
+pytestmark = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="tunes glibc malloc only")
+
+FAULTS = """
+import resource, sys, torch
+from xformer.allocator import tune_allocator
+state = tune_allocator()
+torch.ones(16 * 2**20)  # one 64 MB tensor first: both allocators fault its pages in once
+before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(20):
+    torch.ones(16 * 2**20)  # allocated, touched, freed: as a training step does its logits
+print(state["tuned"], resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+"""
+
+
+def clean_env(**extra) -> dict:
+    """This environment without glibc's MALLOC_*_ variables (an earlier CLI test in this process
+    may have set them) and without XFORMER_ALLOCATOR, plus `extra`."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != alloc.ENV}
+    return {**env, **extra}
+
+
+def faults(**extra) -> tuple[bool, int]:
+    out = subprocess.run([sys.executable, "-c", FAULTS], env=clean_env(**extra), capture_output=True, text=True,
+                         check=True).stdout.split()
+    return out[0] == "True", int(out[1])
+
+
+def test_tuned_glibc_reuses_large_blocks_instead_of_faulting_them_in_again():
+    tuned, with_tuning = faults()
+    untouched, system = faults(XFORMER_ALLOCATOR="system")
+    assert tuned and not untouched
+    pages = 20 * 64 * 2**20 // os.sysconf("SC_PAGE_SIZE")
+    assert system > pages // 4  # glibc's default: a fresh mmap per tensor (fewer faults with huge pages)
+    assert with_tuning < system / 10, (with_tuning, system)
+
+
+def test_the_tuning_reaches_child_processes_and_is_not_an_import_side_effect():
+    child = ("import json, os, subprocess, sys; import xformer, xformer.train; "
+             "untouched = {k: v for k, v in os.environ.items() if k.startswith('MALLOC_')}; "
+             "from xformer.allocator import tune_allocator; tune_allocator(); "
+             "grandchild = subprocess.run([sys.executable, '-c', 'import json; from xformer.allocator import "
+             "allocator; print(json.dumps(allocator()))'], capture_output=True, text=True, check=True).stdout; "
+             "print(json.dumps([untouched, json.loads(grandchild)]))")
+    untouched, grandchild = json.loads(subprocess.run([sys.executable, "-c", child], env=clean_env(),
+                                                      capture_output=True, text=True, check=True).stdout)
+    assert untouched == {}  # importing xformer changed nothing
+    assert grandchild["tuned"] and grandchild["settings"] == alloc.SETTINGS and grandchild["name"].startswith("glibc")
+
+
+def test_users_own_settings_are_kept_and_system_turns_it_off(monkeypatch):
+    monkeypatch.setattr(alloc, "_applied", None)
+    for variable in alloc.VARIABLES.values():
+        monkeypatch.delenv(variable, raising=False)
+    monkeypatch.setenv(alloc.ENV, "system")
+    state = alloc.tune_allocator()
+    assert not state["tuned"] and state["reason"] == "XFORMER_ALLOCATOR=system"
+    assert not any(v in os.environ for v in alloc.VARIABLES.values())
+    monkeypatch.setenv("LD_PRELOAD", "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4")
+    monkeypatch.delenv(alloc.ENV)
+    state = alloc.tune_allocator()
+    assert state["name"] == "tcmalloc" and not state["tuned"] and "preloaded" in state["reason"]
+
+
+def test_a_bad_setting_is_one_line_and_exit_2(monkeypatch):
+    monkeypatch.setattr(alloc, "_applied", None)
+    monkeypatch.setenv(alloc.ENV, "jemalloc")
+    result = CliRunner().invoke(app, ["check", "--help"])
+    assert result.exit_code == 2
+    assert result.output.strip() == "XFORMER_ALLOCATOR=jemalloc: expected tuned (the default) or system"
