@@ -11,7 +11,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layers, lowest first: a module may import modules of its own layer or of a lower one.
 LAYERS = [
     ["xformer.errors", "xformer.strict", "xformer.sites", "xformer.metrics", "xformer.events", "xformer.files",
-     "xformer.results", "xformer.cpuload", "xformer.allocator"],
+     "xformer.results", "xformer.cpuload", "xformer.allocator", "xformer.locks"],
     ["xformer.config"],
     ["xformer.model", "xformer.data", "xformer.checkpoint", "xformer.runtime", "xformer.optim", "xformer.losses",
      "xformer.runlog", "xformer.distributed",

@@ -25,6 +25,7 @@ from torch import nn
 
 from xformer.errors import RunError
 from xformer.files import atomic_write
+from xformer.locks import FolderLock
 from xformer.results import AverageResult
 
 FORMAT = "xformer-checkpoint-1"
@@ -182,7 +183,8 @@ def average_run(run_dir: str | Path, last: int, name: str | None = None) -> Aver
     if target.exists():
         raise RunError(f"{target}: exists; choose another name")
     chosen = steps[-last:]
-    _, meta = read_checkpoint(chosen[-1])
-    kept = {k: v for k, v in meta.items() if k in ("recipe", "step", "tokenizer")}
-    write_tensors(target, average_checkpoints(chosen), {**kept, "averaged": [p.name for p in chosen]})
+    with FolderLock(run_dir, "average"):  # not while train writes (and deletes) step checkpoints
+        _, meta = read_checkpoint(chosen[-1])
+        kept = {k: v for k, v in meta.items() if k in ("recipe", "step", "tokenizer")}
+        write_tensors(target, average_checkpoints(chosen), {**kept, "averaged": [p.name for p in chosen]})
     return AverageResult(path=str(target), averaged=[p.name for p in chosen], steps=[int(p.stem[5:]) for p in chosen])

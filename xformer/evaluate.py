@@ -19,6 +19,7 @@ from xformer.cpuload import busy
 from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.files import atomic_write_text
+from xformer.locks import describe, holder
 from xformer.recipe_io import load_run_recipe
 from xformer.results import ClassificationEval, TranslationEval
 from xformer.significance import mcnemar, paired_bleu, right_or_wrong
@@ -48,7 +49,11 @@ def evaluate_run(
     request = EvalRequest(split=split, data=data, checkpoint=checkpoint, device=device, beam=beam, lenpen=lenpen,
                           on_progress=on_progress, quantize=quantize, ctranslate2=ctranslate2)
     pairing = check_pairable(run_dir, recipe, Path(baseline), request) if baseline is not None else None
+    training = holder(run_dir)  # before scoring: a run that ends meanwhile was still training when read
     result = task.evaluate(run_dir, request)
+    if training is not None:
+        result.warnings = [*(result.warnings or []), f"{run_dir}: still training ({describe(training)}): "
+                           "this scores its checkpoint as it was when read, not the run's final one"]
     if busy(result.others_cpu):
         result.warnings = [*(result.warnings or []), f"timed while other processes took {result.others_cpu:.2f} "
                            "CPU cores: the speed is below what this machine does alone"]
@@ -147,5 +152,7 @@ def translate_lines(run_dir: str | Path, lines: list[str], *, checkpoint: str | 
     is told which line was cut."""
     run_dir = Path(run_dir)
     task = make_task(load_run_recipe(run_dir))
+    if on_warning is not None and (training := holder(run_dir)) is not None:
+        on_warning(f"{run_dir}: still training ({describe(training)}): translating with its checkpoint as it is now")
     return task.predict(run_dir, lines, checkpoint=checkpoint, beam=beam, lenpen=lenpen, device=device,
                         on_warning=on_warning, quantize=quantize)

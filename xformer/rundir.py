@@ -22,6 +22,7 @@ from pathlib import Path
 
 from xformer.checkpoint import read_checkpoint_meta
 from xformer.errors import RunError
+from xformer.locks import LOCK
 
 MARKER = "xformer-run.json"
 ARTEFACTS = ("recipe.toml", "tokenizer", "metrics.jsonl", "checkpoints", "train.json", "eval", "eval.json", MARKER,
@@ -72,7 +73,7 @@ def clear_run_dir(out_dir: Path, *, overwrite: bool, check_only: bool = False) -
     if not out_dir.is_dir():
         raise RunError(f"{out_dir}: is a file, not a directory; choose another --out")
     entries = {p.name for p in out_dir.iterdir()}
-    if entries <= {"tokenizer", MARKER}:
+    if entries <= {"tokenizer", MARKER, LOCK}:
         return []
     if not is_run_dir(out_dir):
         raise RunError(f"{out_dir}: not empty and not an xformer run directory (no {MARKER}); "

@@ -18,6 +18,7 @@ The loop reports progress through `on_event(kind, payload)` (kinds: "setup", "st
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import time
@@ -42,6 +43,7 @@ from xformer.errors import DivergedError, RunError
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.instrument import PeakMemory, allocator_peak
+from xformer.locks import FolderLock, check_free
 from xformer.model.dropout import use_fast_dropout
 from xformer.model.flex import unavailable as flex_unavailable
 from xformer.optim import build_optimizer, learning_rate
@@ -164,8 +166,9 @@ def run(
     Started by torchrun (WORLD_SIZE > 1), every process calls this; see xformer.distributed."""
     cluster = cluster_from_env(device, recipe.train.accumulate_steps)
     try:
-        result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
-                      emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory)
+        with contextlib.ExitStack() as hold:  # the run folder's lock, once _run takes it
+            result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
+                          emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory, hold=hold)
     except torch.OutOfMemoryError as exc:  # no checkpoint is written: the last one stays as it was
         d, cfg = recipe.data, recipe.train
         last = Path(out_dir) / "checkpoints" / "last.safetensors"
@@ -180,7 +183,7 @@ def run(
 
 
 def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
-         emit: Event, recipe_path: str | Path | None, measure_memory: bool) -> TrainResult:
+         emit: Event, recipe_path: str | Path | None, measure_memory: bool, hold: contextlib.ExitStack) -> TrainResult:
     started = time.perf_counter()
     cfg = recipe.train
     rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
@@ -192,7 +195,11 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                            "CPU; train with 'sdpa' (the same function) and evaluate with flex, or train on CUDA")
     recipe_path = Path(recipe_path) if recipe_path is not None else None
     where = dict(resume=resume, overwrite=overwrite, recipe_path=recipe_path)
+    if cluster.writer:
+        check_free(out_dir)  # another writer first: it explains any other refusal below
     prepare_run_dir(out_dir, recipe, **where, check_only=True)  # before minutes of data loading
+    if cluster.writer:  # one writer a run folder, until run() returns (rank 0 for all under torchrun)
+        hold.enter_context(FolderLock(out_dir, "train"))
     task = make_task(recipe)
     if recipe.distill.teacher:  # a teacher that cannot teach fails before minutes of data loading
         task.use_teacher(load_run_recipe(recipe.distill.teacher), rt)
