@@ -25,12 +25,14 @@ def claims(
     records: Annotated[Path | None, typer.Option("--records", help="Folder of the results the ledger keeps, "
                                                                    "used where a spec has no run folder "
                                                                    "[default: beside --out, claims/].")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace --out even when it is not a ledger "
+                                                                "this command wrote.")] = False,
     as_json: JsonOption = False,
 ) -> None:
     """Judge every claim against its experiment's results and write the ledger: each claim in
     its circulating wording, the experiment and its command, the numbers with their spread and a
     verdict (supported, contradicted, depends, inconclusive)."""
-    ledger = build_ledger(specs, runs, out, records)
+    ledger = build_ledger(specs, runs, out, records, overwrite=overwrite)
     if as_json:
         typer.echo(ledger.to_json(indent=None))
         return

@@ -265,3 +265,26 @@ def test_a_blocked_claim_must_say_what_is_missing(tmp_path):
     (tmp_path / "b.toml").write_text(BLOCKED.replace('blocked = "a missing model field"\n', ""))
     result = runner.invoke(app, ["claims", str(tmp_path), "--out", str(tmp_path / "claims.md")])
     assert result.exit_code == 2 and "claim.blocked: a claim without an [experiment] must say" in result.stderr
+
+
+def test_the_ledger_regenerates_its_own_file_and_refuses_a_users(ledger, tmp_path):
+    """--out names a file the ledger wrote (its header says so): regenerated; any other file:
+    refused, untouched, unless --overwrite; a record folder holding a user's JSON: refused."""
+    folder, specs, out, _ = ledger
+    args = ["claims", str(specs), "--runs", str(folder / "runs")]
+    notes = tmp_path / "notes.md"
+    notes.write_text("# my notes\n")
+    refused = runner.invoke(app, [*args, "--out", str(notes)])
+    assert refused.exit_code == 2 and refused.stderr.strip().count("\n") == 0
+    assert f"{notes}: exists and is not a ledger `xformer claims` wrote" in refused.stderr
+    assert notes.read_text() == "# my notes\n" and not (tmp_path / "claims").exists()
+    replaced = runner.invoke(app, [*args, "--out", str(notes), "--overwrite"])
+    assert replaced.exit_code == 0 and notes.read_text() == out.read_text()
+    again = runner.invoke(app, [*args, "--out", str(notes)])  # now a ledger: regenerated without asking
+    assert again.exit_code == 0, again.output
+    other = tmp_path / "other"
+    (other / "claims").mkdir(parents=True)
+    (other / "claims" / "depth.json").write_text('{"mine": 1}')
+    kept = runner.invoke(app, [*args, "--out", str(other / "claims.md")])
+    assert kept.exit_code == 2 and "depth.json: exists and is not a claim record" in kept.stderr
+    assert (other / "claims" / "depth.json").read_text() == '{"mine": 1}' and not (other / "claims.md").exists()

@@ -295,3 +295,21 @@ def test_a_classification_experiment_pairs_its_runs_by_mcnemar(tmp_path):
         assert run["decode_others_cpu"] == scored.get("others_cpu")
         assert scored["examples_per_s"] == pytest.approx(scored["n_examples"] / scored["eval_seconds"])
     assert "| test examples/s |" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_an_experiment_never_writes_into_a_users_folder_or_a_training_run(done, corpus, tmp_path):
+    spec, _, _ = done
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "results.md").write_text("my results\n")
+    refused = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(mine), "--device", "cpu"])
+    assert refused.exit_code == 2 and f"{mine}: not empty and not a folder xformer experiment wrote" in refused.stderr
+    assert [p.name for p in mine.iterdir()] == ["results.md"] and (mine / "results.md").read_text() == "my results\n"
+    run_dir = tmp_path / "run"
+    trained = runner.invoke(app, ["train", str(RECIPE), *sets(corpus), "--max-steps", "2", "--out", str(run_dir),
+                                  "--device", "cpu"])
+    assert trained.exit_code == 0, trained.output
+    before = sorted(p.name for p in run_dir.iterdir())
+    refused = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(run_dir), "--device", "cpu"])
+    assert refused.exit_code == 2 and f"{run_dir}: is a training run's folder (xformer train)" in refused.stderr
+    assert sorted(p.name for p in run_dir.iterdir()) == before

@@ -53,7 +53,8 @@ from xformer.evaluate import evaluate_run, paired_set
 from xformer.events import Event, ignore
 from xformer.experiment_report import SPEEDS, write_results
 from xformer.files import atomic_write_text
-from xformer.grid import pin, train_to_end
+from xformer.grid import check_grid_dir, pin, train_to_end
+from xformer.locks import FolderLock
 from xformer.recipe_io import load_recipe, parse_override, read_toml
 from xformer.results import ExperimentResult
 from xformer.reuse import copy_run, finished_runs, same_run
@@ -174,9 +175,15 @@ def run_key(cell: str, seed: int) -> str:
 def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str = "auto",
                    reuse: list[str | Path] = (), on_event: Event | None = None) -> ExperimentResult:
     """Train and score every run not done yet (copying a finished run of the same recipe from
-    the `reuse` folders where there is one), then compare and write the results."""
-    emit = on_event or ignore
-    out_dir = Path(out_dir)
+    the `reuse` folders where there is one), then compare and write the results. One process
+    at a time writes to an experiment's folder (xformer.locks)."""
+    check_grid_dir(Path(out_dir), "experiment.json", "experiment")
+    with FolderLock(out_dir, "experiment"):
+        return _run_experiment(experiment, Path(out_dir), device=device, reuse=reuse, emit=on_event or ignore)
+
+
+def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse: list[str | Path],
+                    emit: Event) -> ExperimentResult:
     finished = finished_runs(reuse, out_dir)
     scored = _one_test_set(experiment)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -12,7 +12,8 @@ from pathlib import Path
 from xformer.config import Recipe
 from xformer.errors import RunError
 from xformer.files import atomic_write_text
-from xformer.rundir import run_state
+from xformer.locks import LOCK
+from xformer.rundir import is_run_dir, run_state
 from xformer.train import run
 
 
@@ -34,6 +35,22 @@ def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Cal
                  on_event=forward, measure_memory=measure_memory)
     if result.stop_reason == "interrupted":
         raise KeyboardInterrupt
+
+
+def check_grid_dir(out_dir: Path, pinned: str, command: str) -> None:
+    """Refuse an --out that is not this kind of grid's: a file, a training run's folder, or a
+    non-empty folder without the grid's `pinned` settings file (a user's files would be
+    overwritten by same-named ones). Missing or empty folders are fine."""
+    if not out_dir.exists():
+        return
+    if not out_dir.is_dir():
+        raise RunError(f"{out_dir}: is a file, not a folder; choose another --out")
+    if is_run_dir(out_dir):
+        raise RunError(f"{out_dir}: is a training run's folder (xformer train), not one xformer {command} writes; "
+                       "choose another --out")
+    if {p.name for p in out_dir.iterdir()} - {LOCK} and not (out_dir / pinned).is_file():
+        raise RunError(f"{out_dir}: not empty and not a folder xformer {command} wrote (no {pinned}); it will not "
+                       "write into it: choose another --out")
 
 
 def pin(path: Path, settings: dict, refusal: str, *, as_now: Callable[[dict], dict] = lambda old: old) -> None:

@@ -44,7 +44,8 @@ from xformer.errors import RecipeError
 from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
-from xformer.grid import pin, train_to_end
+from xformer.grid import check_grid_dir, pin, train_to_end
+from xformer.locks import FolderLock
 from xformer.model.lstm import match_hidden
 from xformer.recipe_io import load_recipe, read_toml, recipe_from_dict
 from xformer.results import SweepResult
@@ -229,9 +230,14 @@ def parameters(recipe: Recipe) -> int:
 
 def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_event: Event | None = None) -> SweepResult:
     """Train and score every row not done yet, then write the comparison files; returns
-    the comparison (what comparison.json holds)."""
-    emit = on_event or ignore
-    out_dir = Path(out_dir)
+    the comparison (what comparison.json holds). One process at a time writes to a sweep's
+    folder (xformer.locks)."""
+    check_grid_dir(Path(out_dir), "sweep.json", "longrange")
+    with FolderLock(out_dir, "longrange"):
+        return _run_sweep(sweep, Path(out_dir), device=device, emit=on_event or ignore)
+
+
+def _run_sweep(sweep: Sweep, out_dir: Path, *, device: str, emit: Event) -> SweepResult:
     (out_dir / "rows").mkdir(parents=True, exist_ok=True)
     _pin_sweep(sweep, out_dir)
     cfg = sweep.config
