@@ -70,7 +70,7 @@ def attention(
     config.lengths = lengths or config.lengths
     config.patterns = [p.value for p in patterns] or config.patterns
     config.backends = [b.value for b in backends] or config.backends
-    config.decode_lengths = [n for n in decode_lengths if n > 0] if decode_lengths else config.decode_lengths
+    config.decode_lengths = decode_lengths or config.decode_lengths
 
     def on_event(kind: str, cell: dict) -> None:
         if kind == "cache":

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
+import sys
 import typing
 from collections.abc import Callable, Iterable
 from enum import Enum
@@ -22,7 +23,7 @@ except ImportError:  # pragma: no cover - older typer on the public click
 from rich.console import Console
 
 from xformer import config
-from xformer.errors import XformerError
+from xformer.errors import DataError, XformerError
 from xformer.heads.analyse import ABLATIONS, IMPORTANCE_METRICS, PRUNE_ORDERS
 from xformer.model.patterns import PATTERNS
 from xformer.quantize import QUANTIZE
@@ -133,3 +134,24 @@ def user_errors(command: Callable) -> Callable:
             raise typer.Exit(1) from None
 
     return wrapper
+
+
+def read_sentences(source: Path | None) -> list[str]:
+    """The lines of `source` (None or "-": stdin) for translate and tokenize --apply. A missing
+    file, a folder or bytes that are not UTF-8 are a DataError naming the file and line."""
+    if source is not None and str(source) != "-":
+        if not source.exists():
+            raise DataError(f"{source}: no such input file")
+        if source.is_dir():
+            raise DataError(f"{source}: a folder, expected a file of sentences, one per line")
+        data = source.read_bytes()  # a pipe or device (/dev/stdin, <(...)) reads like a file
+    else:
+        source, data = "stdin", sys.stdin.buffer.read()
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        line = data.count(b"\n", 0, exc.start) + 1
+        raise DataError(f"{source}:{line}: not UTF-8 ({exc.reason} at byte {exc.start}); expected UTF-8 text, "
+                        "one sentence a line") from None
+    return text.splitlines()
+

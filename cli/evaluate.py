@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -10,7 +9,6 @@ import typer
 from rich.progress import Progress
 from rich.table import Table
 
-from xformer.errors import DataError
 from xformer.evaluate import evaluate_run, translate_lines
 from xformer.results import ClassificationEval, TranslationEval
 from xformer_cli.common import (
@@ -21,6 +19,7 @@ from xformer_cli.common import (
     RunArgument,
     console,
     flags_named,
+    read_sentences,
     stdout,
     user_errors,
 )
@@ -123,15 +122,7 @@ def translate(
     quantize: QuantizeOption = None,
 ) -> None:
     """Translate sentences from stdin or --input, one per line, to stdout."""
-    if input is not None and not input.exists():
-        raise DataError(f"{input}: no such input file")
-    if input is not None and input.is_dir():
-        raise DataError(f"{input}: a folder, expected a file of sentences, one per line")
-    try:  # a pipe or device (/dev/stdin, <(...)) reads like a file
-        text = input.read_text(encoding="utf-8") if input is not None else sys.stdin.read()
-    except UnicodeDecodeError as exc:
-        raise DataError(f"{input or 'stdin'}: not UTF-8 ({exc.reason} at byte {exc.start})") from None
-    lines = text.splitlines()
+    lines = read_sentences(input)
     warn = lambda message: typer.echo(f"warning: {message}", err=True)  # noqa: E731
     with flags_named("device", "quantize"):
         translations = translate_lines(run, lines, checkpoint=checkpoint, beam=beam, lenpen=lenpen, device=device,

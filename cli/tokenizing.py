@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from xformer.errors import DataError
 from xformer.recipe_io import load_recipe
 from xformer.tokenizing import apply_tokenizer, tokenize_recipe
-from xformer_cli.common import JsonOption, SetOption, Side, console, stdout, user_errors
+from xformer_cli.common import JsonOption, SetOption, Side, console, read_sentences, stdout, user_errors
 from xformer_cli.display import score_table
 
 
@@ -32,10 +30,7 @@ def tokenize(
     run_dir = out or Path("runs") / recipe.stem
     if apply is not None:
         side = getattr(side, "value", side)
-        if apply != "-" and not Path(apply).is_file():
-            raise DataError(f"{apply}: no such file")
-        text = sys.stdin.read() if apply == "-" else Path(apply).read_text(encoding="utf-8")
-        for line in apply_tokenizer(cfg, run_dir, text.splitlines(), side):
+        for line in apply_tokenizer(cfg, run_dir, read_sentences(Path(apply)), side):
             typer.echo(line)
         return
     with console.status("training sentencepiece"):

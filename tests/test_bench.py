@@ -69,6 +69,11 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path):
     assert "vs full" in result.stdout and "decoder KV cache" in result.stdout
     saved = json.loads(out.read_text())
     assert [c["pattern"] for c in saved["cells"]] == ["full", "full", "strided", "strided"]
+    for flags, words in ((["--d-model", "10", "--heads", "3"], "d_model (--d-model) 10: expected a multiple of"),
+                         (["--length", "-5"], "lengths (--length): expected positive sequence lengths, found [-5]"),
+                         (["--length", "0"], "found [0]"), (["--decode-length", "-1"], "decode_lengths")):
+        bad = CliRunner().invoke(app, ["bench", "attention", *flags, "--device", "cpu"])
+        assert bad.exit_code == 2 and words in bad.stderr and bad.stderr.strip().count("\n") == 0, bad.output
     refused = CliRunner().invoke(app, ["bench", "attention", "--pattern", "dense"])
     assert refused.exit_code == 2 and "'dense' is not one of" in refused.output
 

@@ -305,6 +305,12 @@ def test_cli_tokenize_then_train_reuses_the_tokenizer(corpus, tmp_path):
     pieces = runner.invoke(app, ["tokenize", str(RECIPE), "--out", str(out), "--apply", "-", *sets],
                            input="Ein Hund läuft.\n")
     assert pieces.exit_code == 0 and "▁" in pieces.stdout
+    latin1 = tmp_path / "latin1.de"
+    latin1.write_bytes("Ein Hund.\nZwei Männer.\n".encode("latin-1"))
+    for source, given in ((str(latin1), None), ("-", latin1.read_bytes())):  # a file, and stdin
+        bad = runner.invoke(app, ["tokenize", str(RECIPE), "--out", str(out), "--apply", source, *sets], input=given)
+        assert bad.exit_code == 2 and bad.stderr.strip().count("\n") == 0, bad.output
+        assert f"{latin1 if source != '-' else 'stdin'}:2: not UTF-8" in bad.stderr
     result = runner.invoke(app, ["train", str(RECIPE), "--out", str(out), *sets])
     assert result.exit_code == 0, result.output
     assert (out / "tokenizer" / "spm.model").read_bytes() == model
@@ -467,6 +473,10 @@ def test_average_command_reproduces_the_trainers_average_and_never_overwrites(tr
     assert again.exit_code == 2 and "exists" in again.output
     more = runner.invoke(app, ["average", str(out), "--last", "3"])
     assert more.exit_code == 2 and "2 step checkpoints kept, last = 3" in more.output
+    for name in ("../../outside", "sub/avg", ".hidden", "best"):  # never outside RUN/checkpoints, never over its own
+        refused = runner.invoke(app, ["average", str(out), "--last", "2", "--name", name])
+        assert refused.exit_code == 2 and f"--name {name!r}: expected a plain file name" in refused.stderr, name
+    assert not (out.parent / "outside.safetensors").exists() and not (out / "outside.safetensors").exists()
     scored = runner.invoke(app, ["eval", str(out), "--checkpoint", "avg2", "--split", "validation", "--json"])
     assert scored.exit_code == 0, scored.output
     assert json.loads(scored.stdout)["checkpoint"] == "avg2"

@@ -23,6 +23,7 @@ import torch
 from xformer.allocator import allocator
 from xformer.config import ModelConfig
 from xformer.decode import beam_search, greedy_decode
+from xformer.errors import XformerError
 from xformer.events import Event, ignore
 from xformer.instrument import PeakMemory
 from xformer.losses import sequence_loss
@@ -60,6 +61,24 @@ class AttentionBenchConfig:
     # pattern that decodes; [] skips it
     decode_lengths: list[int] = field(default_factory=lambda: [512, 1024, 2048, 4096])
 
+    def problems(self) -> list[str]:
+        """What cannot be measured, one line each (the CLI's flags named beside the fields)."""
+        out = []
+        if self.n_heads < 1 or self.d_model % self.n_heads:
+            out.append(f"d_model (--d-model) {self.d_model}: expected a multiple of n_heads (--heads) {self.n_heads}")
+        bad = [n for n in self.lengths if n < 1]
+        if bad or not self.lengths:
+            out.append(f"lengths (--length): expected positive sequence lengths, found {bad or 'none'}")
+        if any(n < 0 for n in self.decode_lengths):
+            out.append(f"decode_lengths (--decode-length): expected lengths >= 0 (0 skips the cache), found "
+                       f"{[n for n in self.decode_lengths if n < 0]}")
+        for name in ("window", "repeats", "batch"):
+            if getattr(self, name) < 1:
+                out.append(f"{name} (--{name}): expected at least 1, found {getattr(self, name)}")
+        if self.max_seconds <= 0:
+            out.append(f"max_seconds (--max-seconds): expected a positive number of seconds, found {self.max_seconds}")
+        return out
+
 
 @dataclass
 class AttentionBench(Result):
@@ -76,6 +95,8 @@ class AttentionBench(Result):
 def bench_attention(config: AttentionBenchConfig | None = None, *, on_event: Event | None = None) -> AttentionBench:
     """Measure every (pattern, backend, length) cell; events: "cell" (a finished cell)."""
     config = config or AttentionBenchConfig()
+    if config.problems():
+        raise XformerError([f"bench attention: {problem}" for problem in config.problems()])
     emit = on_event or ignore
     rt = resolve_runtime(config.device, "fp32", training=False)
     cells = []
@@ -101,7 +122,7 @@ def bench_attention(config: AttentionBenchConfig | None = None, *, on_event: Eve
     _add_ratios(cells)
     exponents = [_exponents(cells, p, b) for p in config.patterns for b in config.backends]
     cache = []
-    if config.decode_lengths:
+    if any(n > 0 for n in config.decode_lengths):  # 0 skips the cache
         for pattern_name in config.patterns:
             if not make_pattern(pattern_name, rank=config.rank).PROJECTS_KEYS:  # encoders only
                 cache += _decode_cache(config, pattern_name, rt.device)
@@ -114,7 +135,7 @@ def _decode_cache(config: AttentionBenchConfig, pattern: str, device: torch.devi
     """Greedy-style incremental decoding of max(decode_lengths) tokens through one decoder layer
     of `pattern` with the model's own cache (Seq2Seq.new_cache): the MB of keys and values it
     holds, and the seconds per token, at each of decode_lengths."""
-    lengths = sorted(config.decode_lengths)
+    lengths = sorted(n for n in config.decode_lengths if n > 0)
     cfg = ModelConfig(d_model=config.d_model, n_heads=config.n_heads, d_ff=config.d_model, n_encoder_layers=1,
                       n_decoder_layers=1, dropout=0.0, max_positions=lengths[-1] + 1, attention=pattern,
                       window=config.window, global_tokens=config.global_tokens, stride=config.stride,

@@ -179,6 +179,9 @@ def average_run(run_dir: str | Path, last: int, name: str | None = None) -> Aver
         raise RunError(f"{folder}: {len(steps)} step checkpoints kept, last = {last} asks for more "
                        f"(train.average_last sets how many a run keeps)")
     name = name or f"averaged_last{last}"
+    if not name or Path(name).name != name or name.startswith(".") or name in ("best", "last", "averaged", "previous"):
+        raise RunError(f"--name {name!r}: expected a plain file name for RUN/checkpoints/NAME.safetensors (no "
+                       "folders, not hidden, not best, last, averaged or previous)")
     target = folder / f"{name}.safetensors"
     if target.exists():
         raise RunError(f"{target}: exists; choose another name")
