@@ -9,6 +9,7 @@ import typer
 from rich.table import Table
 
 from xformer.experiment import load_experiment, run_experiment
+from xformer.grid import GridStopped
 from xformer_cli.common import DeviceOption, JsonOption, stdout, user_errors
 from xformer_cli.display import GridBar
 
@@ -56,9 +57,10 @@ def experiment(
     try:
         with bar:
             result = run_experiment(loaded, out_dir, device=device, reuse=reuse, on_event=on_event)
-    except KeyboardInterrupt:
-        typer.echo(f"interrupted; run the same command again to continue the experiment in {out_dir}", err=True)
-        raise typer.Exit(130) from None
+    except (KeyboardInterrupt, GridStopped) as stop:
+        name = stop.signal if isinstance(stop, GridStopped) else "SIGINT"
+        typer.echo(f"stopped by {name}; run the same command again to continue the experiment in {out_dir}", err=True)
+        raise typer.Exit(130 if name == "SIGINT" else 0) from None  # as train: Ctrl-C 130, SIGTERM/SIGHUP 0
     if as_json:
         typer.echo(result.to_json(indent=None))
         return

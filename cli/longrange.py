@@ -8,6 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
+from xformer.grid import GridStopped
 from xformer.longrange import load_sweep, run_sweep
 from xformer_cli.common import DeviceOption, stdout, user_errors
 from xformer_cli.display import GridBar
@@ -43,9 +44,10 @@ def longrange(
     try:
         with bar:
             comparison = run_sweep(loaded, out_dir, device=device, on_event=on_event)
-    except KeyboardInterrupt:
-        typer.echo(f"interrupted; run the same command again to continue the sweep in {out_dir}", err=True)
-        raise typer.Exit(130) from None
+    except (KeyboardInterrupt, GridStopped) as stop:
+        name = stop.signal if isinstance(stop, GridStopped) else "SIGINT"
+        typer.echo(f"stopped by {name}; run the same command again to continue the sweep in {out_dir}", err=True)
+        raise typer.Exit(130 if name == "SIGINT" else 0) from None  # as train: Ctrl-C 130, SIGTERM/SIGHUP 0
     table = Table(title=f"{comparison.task}: test accuracy % (mean +- std over seeds), "
                         f"{comparison.budget_per_run} per run", header_style="bold")
     for column in ("length", "model", "accuracy %", "params", "tokens/s", "peak MB", "tokens/s vs transformer"):

@@ -185,3 +185,41 @@ def test_out_of_memory_says_what_to_set_and_leaves_the_last_checkpoint(corpus, t
                                        r"tokens: train with --set data.max_tokens=256 --set train.accumulate_steps=2"):
         run(longer, out, device="cpu", resume=True)
     assert last.read_bytes() == before
+
+
+
+def test_an_experiment_stops_on_sigterm_with_exit_0_and_a_rerun_finishes_it(corpus, tmp_path):
+    """SIGTERM while an experiment's first run trains: that run checkpoints, no other run
+    starts, the command exits 0 (as train does; Ctrl-C would be 130); the same command again
+    finishes the experiment from there."""
+    spec = tmp_path / "spec.toml"
+    spec.write_text(f"""[experiment]
+recipe = {json.dumps(str(RECIPE))}
+seeds = [1]
+baseline = "b"
+max_steps = 40
+set = ["train.valid_every=10", "train.average_last=0"]
+
+[experiment.cells]
+a = ["model.n_heads=1"]
+b = []
+""")
+    sets = [a for value in [*TINY, f"data.dataset={json.dumps(str(corpus))}"] for a in ("--set", value)]
+    args = ["experiment", str(spec), *sets, "--out", str(tmp_path / "out"), "--device", "cpu"]
+    experiment = launch(args)
+    first, second = tmp_path / "out" / "runs" / "a-s1", tmp_path / "out" / "runs" / "b-s1"
+    deadline = time.monotonic() + 300
+    while not (first / "checkpoints" / "last.safetensors").is_file():
+        assert experiment.poll() is None and time.monotonic() < deadline, experiment.communicate()[1][-2000:]
+        time.sleep(0.01)
+    experiment.send_signal(signal.SIGTERM)
+    _, err = experiment.communicate(timeout=300)
+    assert experiment.returncode == 0, err[-2000:]
+    assert "stopped by SIGTERM; run the same command again" in err
+    assert (first / "checkpoints" / "last.safetensors").is_file() and not second.exists()
+    assert not (tmp_path / "out" / "results.json").exists()
+    again = launch(args)
+    _, err = again.communicate(timeout=600)
+    assert again.returncode == 0, err[-2000:]
+    results = json.loads((tmp_path / "out" / "results.json").read_text())
+    assert [r["steps"] for r in results["runs"]] == [40, 40]

@@ -12,6 +12,7 @@ from typer.testing import CliRunner
 
 from xformer.checkpoint import read_checkpoint
 from xformer.errors import RunError
+from xformer.grid import GridStopped
 from xformer.longrange import load_sweep, throughput_at_length
 from xformer.recipe_io import load_recipe
 from xformer.train import run
@@ -244,12 +245,16 @@ def test_an_interrupted_sweep_resumes_the_cut_run_and_rescores_a_trained_one(tmp
     sweep = load_sweep(write_sweep(tmp_path, [24], [1], 9))
     out = tmp_path / "out"
 
-    def interrupt_lstm(kind, payload):
-        if kind == "row_progress" and payload["index"] == 1 and payload["fraction"] > 0.4:
-            os.kill(os.getpid(), signal.SIGINT)  # Ctrl-C: the run stops at a step boundary
+    pressed = []
 
-    with pytest.raises(KeyboardInterrupt):
+    def interrupt_lstm(kind, payload):
+        if kind == "row_progress" and payload["index"] == 1 and payload["fraction"] > 0.4 and not pressed:
+            pressed.append(True)
+            os.kill(os.getpid(), signal.SIGINT)  # one Ctrl-C: the run stops at a step boundary
+
+    with pytest.raises(GridStopped) as stopped:
         run_sweep(sweep, out, device="cpu", on_event=interrupt_lstm)
+    assert stopped.value.signal == "SIGINT"
     assert (out / "rows" / "transformer-L24-s1.json").is_file() and not (out / "rows" / "lstm-L24-s1.json").exists()
     # the transformer's row file is lost too, but its run finished: it is scored again, not retrained
     (out / "rows" / "transformer-L24-s1.json").unlink()
@@ -260,6 +265,30 @@ def test_an_interrupted_sweep_resumes_the_cut_run_and_rescores_a_trained_one(tmp
     assert starts == {"transformer-L24-s1": False, "lstm-L24-s1": True}
     assert (out / "runs" / "transformer-L24-s1" / "checkpoints" / "best.safetensors").stat().st_mtime_ns == trained
     assert [r["steps"] for r in comparison.rows] == [9, 9]
+
+
+def test_a_stop_on_a_runs_last_step_stops_the_sweep_before_the_next_run(tmp_path):
+    """SIGTERM that lands as the first row's last step runs: the row ends as trained, yet the
+    sweep stops there instead of starting the next row (the signal is not swallowed)."""
+    import os
+    import signal
+
+    from xformer.longrange import load_sweep, run_sweep
+
+    sweep = load_sweep(write_sweep(tmp_path, [24], [1], 6))
+    out, starts = tmp_path / "out", []
+
+    def on_event(kind, payload):
+        if kind == "row_start":
+            starts.append(payload["key"])
+        if kind == "row_progress" and payload["index"] == 0 and payload["fraction"] >= 1.0 and len(starts) == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(GridStopped) as stopped:
+        run_sweep(sweep, out, device="cpu", on_event=on_event)
+    assert stopped.value.signal == "SIGTERM" and starts == ["transformer-L24-s1"]
+    assert json.loads((out / "runs" / "transformer-L24-s1" / "train.json").read_text())["steps"] == 6
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # the handlers are put back
 
 
 def test_a_single_file_corpus_cannot_train(tmp_path, reviews):

@@ -53,12 +53,13 @@ from xformer.evaluate import evaluate_run, paired_set
 from xformer.events import Event, ignore
 from xformer.experiment_report import SPEEDS, write_results
 from xformer.files import atomic_write_text
-from xformer.grid import check_grid_dir, pin, train_to_end
+from xformer.grid import check_grid_dir, pin, stop_if_asked, train_to_end
 from xformer.locks import FolderLock
 from xformer.recipe_io import load_recipe, parse_override, read_toml
 from xformer.results import ExperimentResult
 from xformer.reuse import copy_run, finished_runs, same_run
 from xformer.rundir import run_state
+from xformer.runlog import StopSignals
 from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu, right_or_wrong
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task, parameter_count
@@ -178,12 +179,13 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
     the `reuse` folders where there is one), then compare and write the results. One process
     at a time writes to an experiment's folder (xformer.locks)."""
     check_grid_dir(Path(out_dir), "experiment.json", "experiment")
-    with FolderLock(out_dir, "experiment"):
-        return _run_experiment(experiment, Path(out_dir), device=device, reuse=reuse, emit=on_event or ignore)
+    with FolderLock(out_dir, "experiment"), StopSignals() as stops:
+        return _run_experiment(experiment, Path(out_dir), device=device, reuse=reuse, emit=on_event or ignore,
+                               stops=stops)
 
 
 def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse: list[str | Path],
-                    emit: Event) -> ExperimentResult:
+                    emit: Event, stops: StopSignals) -> ExperimentResult:
     finished = finished_runs(reuse, out_dir)
     scored = _one_test_set(experiment)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -194,6 +196,7 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
                                                  and (out_dir / "runs" / run_key(c, s) / "eval.json").is_file()
                                                  for c, s in plan)})
     for index, (cell, seed) in enumerate(plan):
+        stop_if_asked(stops)  # a stop that landed while the last run ended or was scored
         run_dir = out_dir / "runs" / run_key(cell, seed)
         state = run_state(run_dir)
         if state == "new" and not run_dir.exists() and finished:
@@ -218,6 +221,7 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
             rows[(cell, seed)] = _score_diverged(experiment, run_dir, cell, seed, diverged)
             emit("diverged", rows[(cell, seed)])
         emit("run_end", rows[(cell, seed)])
+    stop_if_asked(stops)
     result = _compare(experiment, rows, scored, out_dir)
     write_results(result, out_dir)
     return result

@@ -14,15 +14,32 @@ from xformer.errors import RunError
 from xformer.files import atomic_write_text
 from xformer.locks import LOCK
 from xformer.rundir import is_run_dir, run_state
+from xformer.runlog import StopSignals
 from xformer.train import run
+
+
+class GridStopped(Exception):  # noqa: N818 - a stop asked for, like KeyboardInterrupt, not an error
+    """Ctrl-C, SIGTERM or SIGHUP reached a grid (experiment, longrange sweep): the run in
+    progress stopped with its checkpoint, nothing after it started. `signal` names it."""
+
+    def __init__(self, signal: str):
+        super().__init__(signal)
+        self.signal = signal
+
+
+def stop_if_asked(stops: StopSignals) -> None:
+    """Raise GridStopped once a stop signal reached the grid (between runs: before the next starts)."""
+    if stops.received:
+        raise GridStopped(stops.name)
 
 
 def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Callable[[float], None],
                  measure_memory: bool = False) -> None:
     """Train the run in run_dir to its budget: from scratch when new, resumed when an earlier
     attempt stopped part way, nothing when it is trained (rundir.run_state). on_fraction gets
-    the run's progress, 0..1. Ctrl-C stops the run with its checkpoint saved and raises
-    KeyboardInterrupt, so the grid stops too; DivergedError (non-finite losses) propagates."""
+    the run's progress, 0..1. A stop signal stops the run with its checkpoint saved and raises
+    GridStopped, so the grid stops too, even when it landed on the run's last step;
+    DivergedError (non-finite losses) propagates."""
     state = run_state(run_dir)
     if state == "trained":
         return
@@ -33,8 +50,8 @@ def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Cal
 
     result = run(recipe, run_dir, device=device, resume=state == "resume", overwrite=state == "new",
                  on_event=forward, measure_memory=measure_memory)
-    if result.stop_reason == "interrupted":
-        raise KeyboardInterrupt
+    if result.stop_reason == "interrupted" or result.stop_signal:
+        raise GridStopped(result.stop_signal or "SIGINT")
 
 
 def check_grid_dir(out_dir: Path, pinned: str, command: str) -> None:

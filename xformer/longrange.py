@@ -44,12 +44,13 @@ from xformer.errors import RecipeError
 from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
-from xformer.grid import check_grid_dir, pin, train_to_end
+from xformer.grid import check_grid_dir, pin, stop_if_asked, train_to_end
 from xformer.locks import FolderLock
 from xformer.model.lstm import match_hidden
 from xformer.recipe_io import load_recipe, read_toml, recipe_from_dict
 from xformer.results import SweepResult
 from xformer.rundir import run_state
+from xformer.runlog import StopSignals
 from xformer.strict import did_you_mean, section_from_dict
 from xformer.tasks import make_task, parameter_count
 from xformer.tasks.generated import GeneratedData
@@ -233,11 +234,11 @@ def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_eve
     the comparison (what comparison.json holds). One process at a time writes to a sweep's
     folder (xformer.locks)."""
     check_grid_dir(Path(out_dir), "sweep.json", "longrange")
-    with FolderLock(out_dir, "longrange"):
-        return _run_sweep(sweep, Path(out_dir), device=device, emit=on_event or ignore)
+    with FolderLock(out_dir, "longrange"), StopSignals() as stops:
+        return _run_sweep(sweep, Path(out_dir), device=device, emit=on_event or ignore, stops=stops)
 
 
-def _run_sweep(sweep: Sweep, out_dir: Path, *, device: str, emit: Event) -> SweepResult:
+def _run_sweep(sweep: Sweep, out_dir: Path, *, device: str, emit: Event, stops: StopSignals) -> SweepResult:
     (out_dir / "rows").mkdir(parents=True, exist_ok=True)
     _pin_sweep(sweep, out_dir)
     cfg = sweep.config
@@ -245,6 +246,7 @@ def _run_sweep(sweep: Sweep, out_dir: Path, *, device: str, emit: Event) -> Swee
     emit("plan", {"rows": len(plan), "done": sum((out_dir / "rows" / f"{row_key(m, n, s)}.json").is_file()
                                                  for n, m, s in plan)})
     for index, (length, model, seed) in enumerate(plan):
+        stop_if_asked(stops)  # a stop that landed while the last row ended or was scored
         key = row_key(model, length, seed)
         row_path = out_dir / "rows" / f"{key}.json"
         if row_path.is_file():
@@ -269,6 +271,7 @@ def _run_sweep(sweep: Sweep, out_dir: Path, *, device: str, emit: Event) -> Swee
         }
         atomic_write_text(row_path, json.dumps(row, indent=2))
         emit("row_end", row)
+    stop_if_asked(stops)
     comparison = summarize(sweep, [json.loads((out_dir / "rows" / f"{row_key(m, n, s)}.json").read_text())
                                    for n, m, s in plan])
     write_comparison(comparison, out_dir)

@@ -118,7 +118,9 @@ STOP_SIGNALS = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SI
 
 class StopSignals:
     """Ctrl-C / SIGTERM / SIGHUP during training: finish the current step, checkpoint, stop,
-    so that --resume continues exactly. A second signal acts at once (the default handler)."""
+    so that --resume continues exactly. A second signal acts at once (the default handler).
+    Nested (a run inside an experiment's grid), the signal reaches the enclosing StopSignals as
+    well, so the grid stops after the run and a second signal still acts at once."""
 
     def __init__(self):
         self.received: list[int] = []
@@ -137,7 +139,10 @@ class StopSignals:
 
     def _handle(self, signum, frame):
         self.received.append(signum)
-        signal.signal(signum, self.previous[signum])
+        previous = self.previous[signum]
+        signal.signal(signum, previous)
+        if isinstance(getattr(previous, "__self__", None), StopSignals):
+            previous(signum, frame)  # an enclosing stop (a grid of runs) learns of it too: it stops after this run
 
     def __exit__(self, *exc):
         for sig, handler in self.previous.items():
