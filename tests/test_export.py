@@ -3,6 +3,7 @@ the same logits and the same greedy translations as the run; its tokenizer gives
 models Marian cannot express are refused by field."""
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -87,3 +88,21 @@ def test_ctranslate2_decodes_the_export_as_xformer_does(trained, tmp_path):
     # xformer one per sentence, so where a sentence runs to its limit the engine may go on
     assert sum(theirs.startswith(ours) for ours, theirs in pairs) >= 0.9 * len(pairs)
     assert json.loads((trained / "eval.json").read_text())["hypotheses"] == a["hypotheses"]
+
+
+def test_eval_decodes_only_the_runs_own_export_as_it_was_written(trained, corpus, tmp_path):
+    """--ctranslate2 DIR must be RUN's export: another run's (other weights), one whose files
+    changed since, or a classification run are refused in one line, before decoding."""
+    need("ctranslate2")
+    out = tmp_path / "ct2"
+    assert runner.invoke(app, ["export", str(trained), "--format", "ctranslate2", "--out", str(out)]).exit_code == 0
+    other = tmp_path / "other"
+    run(tiny_recipe(corpus, "train.max_steps=3", "train.valid_every=3", "train.seed=2"), other, device="cpu")
+    refused = runner.invoke(app, ["eval", str(other), "--beam", "1", "--ctranslate2", str(out)])
+    assert refused.exit_code == 2 and refused.stderr.strip().count("\n") == 0, refused.output
+    assert f"exported from {trained}'s 'best' with other weights than {other}" in refused.stderr
+    tampered = tmp_path / "tampered"
+    shutil.copytree(out, tampered)
+    (tampered / "model.bin").write_bytes((tampered / "model.bin").read_bytes()[:-4] + b"\0\0\0\0")
+    refused = runner.invoke(app, ["eval", str(trained), "--beam", "1", "--ctranslate2", str(tampered)])
+    assert refused.exit_code == 2 and "model.bin changed, added or missing since export" in refused.stderr

@@ -56,6 +56,8 @@ def test_train_then_eval_a_recall_classifier(tmp_path):
     scored = invoke("eval", out, "--split", "nope")
     assert scored.exit_code == 2 and scored.output.strip().startswith("--split nope: a generated task has the splits")
     assert runner.invoke(app, ["translate", str(out)], input="x\n").exit_code == 2
+    engine = invoke("eval", out, "--ctranslate2", tmp_path)  # a translation engine: refused, not ignored
+    assert engine.exit_code == 2 and "--ctranslate2: CTranslate2 decodes translation models" in engine.stderr
     assert runner.invoke(app, ["tokenize", str(RECALL), "--out", str(tmp_path / "t")]).exit_code == 2
 
 

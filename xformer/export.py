@@ -31,7 +31,7 @@ from pathlib import Path
 import sentencepiece
 import torch
 
-from xformer.engines import CT2_META
+from xformer.engines import CT2_META, export_record, file_digests
 from xformer.errors import RunError
 from xformer.recipe_io import load_run_recipe
 from xformer.rundir import tokenizer_dir
@@ -85,7 +85,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", che
             _write_marian(model, recipe, staging, tokenizer_dir(run_dir))
         else:
             _write_ctranslate2(model, recipe, staging, tokenizer_dir(run_dir), quantize,
-                               {"run": str(run_dir), "checkpoint": checkpoint, "quantize": quantize})
+                               {**export_record(run_dir, checkpoint), "quantize": quantize})
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
@@ -156,7 +156,7 @@ def _write_ctranslate2(model, recipe, out: Path, tokenizer: Path, quantize: str 
     converted.rmdir()
     shutil.rmtree(hf_dir)
     shutil.copy(tokenizer / "spm.model", out / "spm.model")
-    (out / CT2_META).write_text(json.dumps(meta, indent=2), encoding="utf-8")
+    (out / CT2_META).write_text(json.dumps({**meta, "files": file_digests(out)}, indent=2), encoding="utf-8")
 
 
 @contextlib.contextmanager

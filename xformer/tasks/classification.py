@@ -163,6 +163,9 @@ class ClassificationTask(Task):
         return self.recipe.data.test_split
 
     def evaluate(self, run_dir: Path, request: EvalRequest) -> ClassificationEval:
+        if request.ctranslate2:
+            raise RunError(f"--ctranslate2: CTranslate2 decodes translation models; {run_dir} is a "
+                           f"{self.recipe.data.task} run (data.task)")
         checkpoint = request.checkpoint or self.recipe.eval.checkpoint
         quantize = request.quantize or self.recipe.eval.quantize or None  # --quantize, else the recipe's
         model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=quantize)

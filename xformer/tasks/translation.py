@@ -25,7 +25,7 @@ from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
 from xformer.decode import DecodeStats, translate_ids
-from xformer.engines import ctranslate2_ids, ctranslate2_meta
+from xformer.engines import check_export, ctranslate2_ids
 from xformer.errors import DataError, RunError
 from xformer.events import Event
 from xformer.files import atomic_write_text
@@ -232,7 +232,7 @@ class TranslationTask(Task):
         checkpoint = request.checkpoint or recipe.eval.checkpoint
         quantize = request.quantize or recipe.eval.quantize or None  # --quantize, else the recipe's
         if request.ctranslate2:  # the exported model decodes; the run supplies tokenizer and data
-            meta = ctranslate2_meta(request.ctranslate2)
+            meta = check_export(request.ctranslate2, run_dir)  # RUN's own export, as written
             checkpoint = meta["checkpoint"]
             model = rt = None  # CTranslate2 decodes
             self.load_vocabulary(Path(run_dir))
