@@ -4,6 +4,7 @@ models Marian cannot express are refused by field."""
 
 import json
 import shutil
+import warnings
 
 import pytest
 import torch
@@ -30,8 +31,12 @@ def trained(corpus, tmp_path_factory):
 def test_the_hf_export_is_the_same_model(trained, tmp_path):
     transformers = need("transformers")
     out = tmp_path / "hf"
-    result = runner.invoke(app, ["export", str(trained), "--format", "hf", "--out", str(out)])
+    with warnings.catch_warnings(record=True) as warned:
+        warnings.simplefilter("always")
+        result = runner.invoke(app, ["export", str(trained), "--format", "hf", "--out", str(out)])
     assert result.exit_code == 0, result.output
+    # neither transformers' progress bars nor its advice to install sacremoses: nothing to act on
+    assert "it/s" not in result.stderr and not [w for w in warned if "sacremoses" in str(w.message)]
     hf = transformers.MarianMTModel.from_pretrained(out).eval()
     tokenizer = transformers.MarianTokenizer.from_pretrained(out)
     task = make_task(load_run_recipe(trained))

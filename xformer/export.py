@@ -26,6 +26,7 @@ import contextlib
 import json
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import sentencepiece
@@ -81,11 +82,8 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", che
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        if fmt == "hf":
-            _write_marian(model, recipe, staging, tokenizer_dir(run_dir))
-        else:
-            _write_ctranslate2(model, recipe, staging, tokenizer_dir(run_dir), quantize,
-                               {**export_record(run_dir, checkpoint), "quantize": quantize})
+        with _quiet_transformers():
+            _write(fmt, model, recipe, staging, run_dir, checkpoint, quantize)
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
@@ -93,6 +91,34 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", che
         shutil.rmtree(staging, ignore_errors=True)
         raise
     return out_dir
+
+
+def _write(fmt: str, model, recipe, staging: Path, run_dir: Path, checkpoint: str, quantize: str | None) -> None:
+    if fmt == "hf":
+        _write_marian(model, recipe, staging, tokenizer_dir(run_dir))
+    else:
+        _write_ctranslate2(model, recipe, staging, tokenizer_dir(run_dir), quantize,
+                           {**export_record(run_dir, checkpoint), "quantize": quantize})
+
+
+@contextlib.contextmanager
+def _quiet_transformers():
+    """transformers' progress bars and its advice to install sacremoses (a tokenizer xformer's
+    export never uses) say nothing a user of export can act on: kept off the terminal."""
+    try:
+        from transformers.utils import logging as hf_logging
+    except ImportError:  # the writer says what to install
+        yield
+        return
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message="Recommended: pip install sacremoses")
+            yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
 
 
 def feature_order(d_model: int) -> torch.Tensor:
