@@ -108,10 +108,19 @@ def test_a_rerun_trains_only_what_is_missing_and_refuses_another_experiment(done
     import shutil
 
     shutil.rmtree(out / "runs" / "heads_1-s2")
+    # a score of other tensors than `best` holds now (as when eval ran while the run still trained)
+    stale = out / "runs" / "heads_2-s1" / "eval.json"
+    score = json.loads(stale.read_text())
+    assert score["card"]["checkpoint"]["final"] and score["card"]["checkpoint"]["name"] == "best"
+    score["card"]["checkpoint"]["sha256"] = "0" * 64
+    stale.write_text(json.dumps(score))
+    fresh = (out / "runs" / "heads_2-s2" / "eval.json").stat().st_mtime_ns
     again = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(out), "--device", "cpu",
                                 "--json"])
     assert again.exit_code == 0, again.output
     assert {p: p.stat().st_mtime_ns for p in kept} == kept  # finished runs were not trained again
+    assert json.loads(stale.read_text())["card"]["checkpoint"]["sha256"] != "0" * 64  # scored again
+    assert (out / "runs" / "heads_2-s2" / "eval.json").stat().st_mtime_ns == fresh  # a current score is kept
     # the retrained run is the same seed of the same recipe: the same numbers (but for its timings)
     assert untimed(json.loads(again.stdout.strip().splitlines()[-1])["cells"]) == untimed(report["cells"])
     spec.write_text(SPEC.replace("seeds = [1, 2]", "seeds = [1, 3]"))

@@ -56,7 +56,9 @@ def test_a_second_writer_is_refused_while_the_first_trains_and_sigkill_frees_the
         assert (out / "recipe.toml").read_text() == recipe_before and snapshot(out) == before
         scored = run_once(["eval", str(out), "--checkpoint", "best", "--split", "validation", "--json"])
         assert scored.returncode == 0, scored.stderr
-        assert f"still training (xformer train (pid {first.pid}" in scored.stderr
+        assert f"the run is still training (xformer train (pid {first.pid}" in scored.stderr
+        card = json.loads(scored.stdout)["card"]["checkpoint"]  # the score says which tensors, and that
+        assert card["name"] == "best" and not card["final"] and len(card["sha256"]) == 64  # they may change
     finally:
         first.send_signal(signal.SIGKILL)
         first.wait()

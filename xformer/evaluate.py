@@ -49,11 +49,7 @@ def evaluate_run(
     request = EvalRequest(split=split, data=data, checkpoint=checkpoint, device=device, beam=beam, lenpen=lenpen,
                           on_progress=on_progress, quantize=quantize, ctranslate2=ctranslate2)
     pairing = check_pairable(run_dir, recipe, Path(baseline), request) if baseline is not None else None
-    training = holder(run_dir)  # before scoring: a run that ends meanwhile was still training when read
-    result = task.evaluate(run_dir, request)
-    if training is not None:
-        result.warnings = [*(result.warnings or []), f"{run_dir}: still training ({describe(training)}): "
-                           "this scores its checkpoint as it was when read, not the run's final one"]
+    result = task.evaluate(run_dir, request)  # its card says which checkpoint, and whether the run had finished
     if busy(result.others_cpu):
         result.warnings = [*(result.warnings or []), f"timed while other processes took {result.others_cpu:.2f} "
                            "CPU cores: the speed is below what this machine does alone"]

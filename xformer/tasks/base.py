@@ -34,11 +34,12 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from xformer.checkpoint import load_model_weights, read_checkpoint, run_checkpoint
+from xformer.checkpoint import load_model_weights, read_checkpoint, read_checkpoint_meta, run_checkpoint
 from xformer.config import DataConfig, Recipe
 from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.events import Event
+from xformer.locks import describe, holder
 from xformer.model.build import build_model
 from xformer.quantize import quantize_model
 from xformer.runcard import data_fingerprints, run_card
@@ -151,14 +152,18 @@ class Task:
         model = model.to(rt.device).eval()
         return (quantize_model(model, quantize, rt.device) if quantize else model), rt
 
-    def eval_card(self, run_dir: str | Path, rt: Runtime | None, split: str, data: str | None) -> tuple[dict, list]:
-        """The run card of an evaluation of `split` (or of the file or folder `data`) and what it
-        warns of: the split's files differ from the ones training fingerprinted."""
+    def eval_card(self, run_dir: str | Path, rt: Runtime | None, split: str, data: str | None,
+                  checkpoint: str) -> tuple[dict, list]:
+        """The run card of an evaluation of `split` (or of the file or folder `data`) with
+        `checkpoint`, and what it warns of: the checkpoint is not the run's final one (still
+        training, or stopped part way), the split's files differ from the ones training
+        fingerprinted. card["checkpoint"]: its name, step, tensor sha256 and whether it is final."""
         d = self.recipe.data
         prints = data_fingerprints(data, d.fields()) if data is not None else d.fingerprints()
         mine = next(iter(prints.values()), None) if data is not None else prints.get(split)
         card = run_card(self.recipe, rt, {split if data is None else str(data): mine} if mine else {})
-        warnings = []
+        card["checkpoint"], unfinished = checkpoint_identity(Path(run_dir), checkpoint)
+        warnings = [unfinished] if unfinished else []
         trained_file = Path(run_dir) / "train.json"
         if data is None and mine and trained_file.is_file():
             trained = json.loads(trained_file.read_text()).get("card", {}).get("data", {}).get(split)
@@ -277,3 +282,25 @@ def mark_pad(tokens: torch.Tensor, pad_id: int) -> torch.Tensor:
 def _is_punct(piece: str) -> bool:
     text = piece.replace("\u2581", "").strip()
     return bool(text) and all(unicodedata.category(c).startswith("P") for c in text)
+
+
+def checkpoint_identity(run_dir: Path, checkpoint: str) -> tuple[dict, str]:
+    """{"name", "step", "sha256", "final"} of RUN's checkpoint, and why it is not the trained
+    run's final one ("" when it is): a score of it would go stale when training goes on."""
+    path = run_dir / "checkpoints" / f"{checkpoint}.safetensors"
+    meta = read_checkpoint_meta(path) if path.is_file() else {}
+    step = meta.get("progress", {}).get("step", meta.get("step"))
+    summary = run_dir / "train.json"
+    writer = holder(run_dir)
+    if writer is not None:
+        why = f"the run is still training ({describe(writer)})"
+    elif not summary.is_file():
+        why = "the run has not finished (no train.json: stopped before its end)"
+    elif json.loads(summary.read_text()).get("stop_reason") == "interrupted":
+        why = "the run was stopped part way (--resume finishes it)"
+    else:
+        why = ""
+    identity = {"name": checkpoint, "step": step, "sha256": meta.get("sha256"), "final": not why}
+    return identity, (f"{run_dir}: checkpoint '{checkpoint}' (step {step}) is not the run's final one: {why}; "
+                      "this score is of the checkpoint as it is now" if why else "")
+

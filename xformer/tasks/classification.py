@@ -184,7 +184,8 @@ class ClassificationTask(Task):
             eval_seconds=seconds, examples_per_s=n / max(seconds, 1e-9), others_cpu=others_cpu,
             confusion=(confusion_matrix(predicted, examples.labels, len(self.labels))
                        if len(self.labels) <= CONFUSION_MAX_CLASSES else None))
-        result.card, result.warnings = self.eval_card(run_dir, rt, request.split or self.test_split(), request.data)
+        result.card, result.warnings = self.eval_card(run_dir, rt, request.split or self.test_split(), request.data,
+                                                    checkpoint)
         atomic_write_text(out_dir / f"{stem}.pred", "".join(self.labels[p] + "\n" for p in predicted))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
         if request.data is None and name == self.test_split() and quantize == (self.recipe.eval.quantize or None):
