@@ -223,3 +223,30 @@ b = []
     assert again.returncode == 0, err[-2000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["steps"] for r in results["runs"]] == [40, 40]
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 1.5 MB tmpfs mounted for the test (root and a kernel that allows it), else skipped."""
+    mount = tmp_path / "small"
+    mount.mkdir()
+    made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=1536k", "tmpfs", str(mount)], capture_output=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot mount a small filesystem here: {made.stderr.decode().strip()}")
+    yield mount
+    subprocess.run(["umount", str(mount)], check=False)
+
+
+def test_a_full_disk_stops_train_with_one_line_exit_2_and_the_last_checkpoint_intact(corpus, small_disk):
+    out = small_disk / "run"
+    full = launch(train_command(TINY, corpus, out, "train.max_steps=400", "train.average_last=5"))
+    _, err = full.communicate(timeout=600)
+    assert full.returncode == 2, err[-2000:]
+    lines = err.strip().splitlines()
+    assert "no space left on the device while writing" in lines[-1] and str(out) in lines[-1], lines[-3:]
+    assert "Traceback" not in err and "SafetensorError" not in err
+    last = out / "checkpoints" / "last.safetensors"
+    if last.is_file():  # the checkpoint before the disk filled: whole, and it says which step
+        _, meta = read_checkpoint(last)
+        assert f"{last} (step {meta['progress']['step']}) is intact" in lines[-1]
+    assert not list(out.rglob(".*.tmp"))  # no half-written temporary left behind

@@ -13,6 +13,7 @@ loading restores the sharing because the model ties the parameters itself.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 from pathlib import Path
@@ -73,8 +74,16 @@ def write_tensors(path: str | Path, tensors: dict[str, torch.Tensor], meta: dict
     """Write named tensors (`model.*`, `optim.*`, ...) and JSON-able `meta` as an xformer
     checkpoint, atomically, with the tensors' sha256 in the metadata."""
     header = {"format": FORMAT, **meta, "sha256": tensors_digest(tensors)}
-    atomic_write(Path(path), lambda tmp: save_file(tensors, tmp, metadata={"xformer": json.dumps(header)}),
-                 previous=previous)
+
+    def write(tmp: str) -> None:
+        try:
+            save_file(tensors, tmp, metadata={"xformer": json.dumps(header)})
+        except Exception as exc:  # safetensors reports the OS error inside its own type
+            if "code: 28," in str(exc) or "No space left" in str(exc):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path)) from None
+            raise
+
+    atomic_write(Path(path), write, previous=previous)
 
 
 def tensors_digest(tensors: dict[str, torch.Tensor]) -> str:

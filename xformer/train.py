@@ -19,6 +19,7 @@ The loop reports progress through `on_event(kind, payload)` (kinds: "setup", "st
 from __future__ import annotations
 
 import contextlib
+import errno
 import itertools
 import json
 import time
@@ -33,6 +34,7 @@ from xformer.checkpoint import (
     load_model_weights,
     load_optimizer_state,
     read_checkpoint,
+    read_checkpoint_meta,
     save_checkpoint,
 )
 from xformer.compiling import compiled_forward
@@ -169,6 +171,14 @@ def run(
         with contextlib.ExitStack() as hold:  # the run folder's lock, once _run takes it
             result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
                           emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory, hold=hold)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
+            raise
+        last = Path(out_dir) / "checkpoints" / "last.safetensors"  # written whole or not at all: intact
+        kept = f"{last} (step {read_checkpoint_meta(last)['progress']['step']}) is intact; " if last.is_file() else ""
+        reason = "no space left on the device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+        raise RunError(f"{out_dir}: {reason} while writing {exc.filename or 'the run'}; {kept}free some space, "
+                       "then --resume continues the run") from None
     except torch.OutOfMemoryError as exc:  # no checkpoint is written: the last one stays as it was
         d, cfg = recipe.data, recipe.train
         last = Path(out_dir) / "checkpoints" / "last.safetensors"
