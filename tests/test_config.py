@@ -1,3 +1,5 @@
+from pathlib import Path
+
 import pytest
 
 from xformer.config import ModelConfig, Recipe
@@ -147,3 +149,10 @@ def test_subword_sampling_is_bounded_and_translation_only():
     lines = problems({**VALID, "model": {"arch": "classifier"}, "data": {"task": "listops", "sampling_alpha": 0.1}})
     assert lines == ["r.toml: data.sampling_alpha: applies only when data.task = 'translation', "
                      "found data.task = 'listops'; remove it"]
+
+
+def test_a_bad_value_is_shown_as_written_not_escaped():
+    with pytest.raises(RecipeError) as refused:
+        load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "translation" / "multi30k_de_en.toml",
+                    ['model.norm="läyer"'])
+    assert 'found "läyer" (string)' in str(refused.value) and "\\u00e4" not in str(refused.value)

@@ -97,7 +97,7 @@ _TYPE_NAMES = {bool: "true or false", int: "an integer", float: "a number", str:
 def describe(value) -> str:
     kind = {bool: "boolean", int: "integer", float: "number", str: "string", list: "list",
             dict: "table"}.get(type(value), type(value).__name__)
-    return f"{json.dumps(value, default=str)} ({kind})"
+    return f"{json.dumps(value, default=str, ensure_ascii=False)} ({kind})"
 
 
 def did_you_mean(word: str, candidates) -> str:
