@@ -3,6 +3,7 @@ cell; a rerun keeps what is done and trains what is missing."""
 
 import filecmp
 import json
+import shutil
 import statistics
 from copy import deepcopy
 from pathlib import Path
@@ -322,3 +323,17 @@ def test_an_experiment_never_writes_into_a_users_folder_or_a_training_run(done, 
     refused = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(run_dir), "--device", "cpu"])
     assert refused.exit_code == 2 and f"{run_dir}: is a training run's folder (xformer train)" in refused.stderr
     assert sorted(p.name for p in run_dir.iterdir()) == before
+
+
+def test_reuse_refuses_a_run_whose_checkpoint_is_damaged_before_copying_it(done, corpus, tmp_path):
+    spec, out, _ = done
+    source = tmp_path / "finished"
+    shutil.copytree(out, source)
+    best = source / "runs" / "heads_2-s1" / "checkpoints" / "best.safetensors"
+    data = bytearray(best.read_bytes())
+    data[-8:] = b"\xff" * 8  # a flipped tail: the tensors no longer match their sha256
+    best.write_bytes(bytes(data))
+    result = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(tmp_path / "new"),
+                                 "--device", "cpu", "--reuse", str(source)])
+    assert result.exit_code == 2 and "--reuse: " in result.stderr and str(best) in result.stderr
+    assert "damaged" in result.stderr and not (tmp_path / "new" / "runs" / "heads_2-s1").exists()

@@ -8,6 +8,7 @@ import json
 import shutil
 from pathlib import Path
 
+from xformer.checkpoint import read_checkpoint
 from xformer.config import Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.files import atomic_write_text
@@ -57,7 +58,15 @@ def _training(recipe: dict) -> dict:
 
 
 def copy_run(source: Path, run_dir: Path, rescored: Recipe | None) -> None:
-    """A copy of a finished run; with `rescored`, under that recipe and without its scores."""
+    """A copy of a finished run; with `rescored`, under that recipe and without its scores.
+    Every checkpoint is read first (its sha256 checked): a damaged one is refused, naming it,
+    before anything is copied."""
+    for checkpoint in sorted((source / "checkpoints").glob("*.safetensors")):
+        try:
+            read_checkpoint(checkpoint)
+        except RunError as exc:
+            raise RunError(f"--reuse: {exc}; remove that run from the --reuse folders or repair it, and this "
+                           "cell's run is trained instead") from None
     skip = shutil.ignore_patterns("eval", "eval.json") if rescored is not None else None
     shutil.copytree(source, run_dir, ignore=skip)
     if rescored is not None:
