@@ -337,3 +337,18 @@ def test_reuse_refuses_a_run_whose_checkpoint_is_damaged_before_copying_it(done,
                                  "--device", "cpu", "--reuse", str(source)])
     assert result.exit_code == 2 and "--reuse: " in result.stderr and str(best) in result.stderr
     assert "damaged" in result.stderr and not (tmp_path / "new" / "runs" / "heads_2-s1").exists()
+
+
+def test_every_problem_of_a_spec_is_reported_at_once(corpus, tmp_path):
+    """The spec's own problems and every cell's, together: not the first cell's only."""
+    spec = tmp_path / "bad.toml"
+    spec.write_text(SPEC.replace("seeds = [1, 2]", "seeds = [1, 1]")
+                    .replace('heads_1 = ["model.n_heads=1"]', 'heads_1 = ["model.n_heads=0", "train.lrr=1"]')
+                    .replace("heads_2 = []", 'heads_2 = ["model.ffn=\\"gelu2\\""]'))
+    result = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(tmp_path / "out")])
+    assert result.exit_code == 2 and not (tmp_path / "out").exists()
+    lines = result.stderr.strip().splitlines()
+    for words in ("experiment.seeds: expected distinct seeds", "experiment.cells.heads_1: --set model.n_heads",
+                  "experiment.cells.heads_1: --set train.lrr: unknown key",
+                  "experiment.cells.heads_2: --set model.ffn"):
+        assert sum(words in line for line in lines) == 1, (words, lines)

@@ -159,14 +159,15 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
         problems += found
     elif "claim" in raw:
         problems.append(f"{path}: claim: expected a table, found {raw['claim']!r}")
-    if problems:
-        raise RecipeError(problems)
     experiment = Experiment(config, cells, path, recipe_sets, claim, checks)
-    for name in cells:
-        try:
-            experiment.recipe(name, config.seeds[0])
-        except RecipeError as exc:
-            raise RecipeError([f"{path}: experiment.cells.{name}: {p}" for p in exc.problems]) from None
+    if typed:  # every cell's recipe, checked beside the spec's own problems: all of them at once
+        for name in cells:
+            try:
+                experiment.recipe(name, (config.seeds or [1])[0])
+            except RecipeError as exc:
+                problems += [f"{path}: experiment.cells.{name}: {p}" for p in exc.problems]
+    if problems:
+        raise RecipeError(list(dict.fromkeys(problems)))
     return experiment
 
 
