@@ -488,3 +488,17 @@ def test_average_command_reproduces_the_trainers_average_and_never_overwrites(tr
     scored = runner.invoke(app, ["eval", str(out), "--checkpoint", "avg2", "--split", "validation", "--json"])
     assert scored.exit_code == 0, scored.output
     assert json.loads(scored.stdout)["checkpoint"] == "avg2"
+
+
+def test_a_batch_budget_the_longest_pair_does_not_fit_is_refused_naming_it(corpus, tmp_path):
+    result = runner.invoke(app, ["train", str(RECIPE), *[a for s in TINY for a in ("--set", s)],
+                                 "--set", f"data.dataset={json.dumps(str(corpus))}", "--set", "data.max_tokens=1",
+                                 "--max-steps", "1", "--out", str(tmp_path / "r"), "--device", "cpu"])
+    assert result.exit_code == 2, result.output
+    line = result.stderr.strip().splitlines()[-1]
+    assert line.startswith("data.max_tokens = 1: the longest training pair") and "expected data.max_tokens >= " in line
+    needed = int(line.split("expected data.max_tokens >= ")[1].split(",")[0])
+    fits = runner.invoke(app, ["train", str(RECIPE), *[a for s in TINY for a in ("--set", s)],
+                               "--set", f"data.dataset={json.dumps(str(corpus))}", "--set", f"data.max_tokens={needed}",
+                               "--max-steps", "1", "--out", str(tmp_path / "r2"), "--device", "cpu"])
+    assert fits.exit_code == 0, fits.output  # the least budget it asked for is enough

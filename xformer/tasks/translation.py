@@ -170,6 +170,7 @@ class TranslationTask(Task):
                                           f"dropped (a side empty or blank, or over data.max_len = {d.max_len} "
                                           "pieces)"})
             self.train_batches = BatchIterator(train, max_tokens=d.max_tokens, seed=recipe.train.seed)
+            self._check_batch_budget(train)
         if len(self.train_batches) == 0:
             raise DataError(f"{d.dataset}: no training pair has 1 to data.max_len = {d.max_len} pieces on both sides")
         self.valid_batches = BatchIterator(self.valid_data, max_tokens=d.max_tokens, seed=recipe.train.seed,
@@ -222,6 +223,20 @@ class TranslationTask(Task):
         return scores
 
     # ------------------------------------------------------------ a trained run
+    def _check_batch_budget(self, train) -> None:
+        """Refuse a data.max_tokens that the longest training pair does not fit: every pair would
+        otherwise sit in a batch of its own, over budget, and the setting would mean nothing."""
+        d, batches = self.recipe.data, self.train_batches
+        width = np.maximum(batches.src_lens, batches.tgt_lens) + 1  # + EOS / BOS
+        widest = int(np.argmax(width)) if len(width) else 0
+        if len(width) and width[widest] > d.max_tokens:
+            text = self.tokenizer.decode([train[widest]["src_ids"]], "source")[0]
+            raise DataError(f"data.max_tokens = {d.max_tokens}: the longest training pair ({d.dataset}, "
+                            f"{batches.src_lens[widest]} source and {batches.tgt_lens[widest]} target pieces: "
+                            f"\"{text[:60]}{'...' if len(text) > 60 else ''}\") needs {width[widest]} tokens a batch; "
+                            f"expected data.max_tokens >= {width[widest]}, or a smaller data.max_len "
+                            f"(now {d.max_len}) to drop such pairs")
+
     def load_vocabulary(self, run_dir: Path) -> None:
         d = self.recipe.data
         self.tokenizer = Tokenizer.load(tokenizer_dir(run_dir), d.source_lang, d.target_lang)
