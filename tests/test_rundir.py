@@ -121,3 +121,12 @@ def test_the_interrupt_hint_is_a_command_that_resumes(corpus, project, monkeypat
     assert resumed.exit_code == 0, resumed.output
     _, meta = read_checkpoint(project / "runs" / "b" / "checkpoints" / "last.safetensors")
     assert meta["progress"]["step"] == 6
+
+
+def test_json_written_for_a_non_finite_number_is_null_with_what_it_was():
+    from xformer.files import finite_json
+
+    text = finite_json({"loss": float("nan"), "ppl": float("inf"), "bleu": 1.5, "history": [{"x": -float("inf")}]})
+    parsed = json.loads(text, parse_constant=lambda word: pytest.fail(f"bare {word}"))
+    assert parsed == {"loss": None, "ppl": None, "bleu": 1.5, "nonfinite": {"loss": "nan", "ppl": "inf"},
+                      "history": [{"x": None, "nonfinite": {"x": "-inf"}}]}

@@ -187,7 +187,10 @@ def test_a_run_that_goes_nonfinite_skips_steps_then_stops_with_what_to_try(corpu
     for key in tensors:
         if key.startswith("model."):
             assert torch.allclose(after[key], tensors[key], rtol=0, atol=0, equal_nan=True), key
-    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    def strict(text: str):  # NaN / Infinity are not JSON: a reader in another language would fail
+        return json.loads(text, parse_constant=lambda word: pytest.fail(f"bare {word} in JSON"))
+
+    records = [strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in records if r["kind"] == "train" and r["step"] > 6]
     assert [r["skipped"] for r in resumed] == [1, 1, 1, 1] and all(r["loss"] is None for r in resumed)
     sets = [arg for value in TINY + [f"data.dataset={json.dumps(str(corpus))}", "train.max_nonfinite_steps=2"]
@@ -502,3 +505,28 @@ def test_a_batch_budget_the_longest_pair_does_not_fit_is_refused_naming_it(corpu
                                "--set", f"data.dataset={json.dumps(str(corpus))}", "--set", f"data.max_tokens={needed}",
                                "--max-steps", "1", "--out", str(tmp_path / "r2"), "--device", "cpu"])
     assert fits.exit_code == 0, fits.output  # the least budget it asked for is enough
+
+
+def test_a_non_finite_validation_is_never_the_best_and_is_written_as_valid_json(corpus, tmp_path):
+    """Validation of a model gone NaN: recorded with null and what it was, never saved as best,
+    neither as the first validation nor after a finite one."""
+    from xformer.runlog import Progress
+    from xformer.train import _validate_and_save
+
+    recipe = tiny_recipe(corpus, "train.average_last=0", "train.max_steps=3")
+    nan = float("nan")
+    scores = iter([{"loss": nan, "bleu": nan}, {"loss": 3.0, "bleu": 1.0}, {"loss": nan, "bleu": nan}])
+    task = type("Task", (), {"validate": lambda self, model, rt: next(scores)})()
+    model, progress, out = torch.nn.Linear(2, 2), Progress(), tmp_path / "run"
+    (out / "checkpoints").mkdir(parents=True)
+    metric = recipe.best_metric
+    for step in (1, 2, 3):
+        progress.step = step
+        _validate_and_save(model, recipe, task, None, progress, out, lambda kind, payload: None, lambda: 0.0, {})
+        best = out / "checkpoints" / "best.safetensors"
+        assert (best.is_file() and read_checkpoint_meta(best)["step"]) == (False if step == 1 else 2), (step, metric)
+    lines = (out / "metrics.jsonl").read_text().splitlines()
+    records = [json.loads(line, parse_constant=lambda word: pytest.fail(f"bare {word} in JSON")) for line in lines]
+    assert [r["best"] for r in records] == [False, True, False]
+    assert records[0]["loss"] is None and records[0]["nonfinite"] == {"loss": "nan", "bleu": "nan"}
+

@@ -3,6 +3,8 @@ renamed over the target (atomic on POSIX and Windows)."""
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import tempfile
 from collections.abc import Callable
@@ -34,3 +36,23 @@ def atomic_write_text(path: str | Path, text: str) -> None:
 
 def atomic_write_bytes(path: str | Path, data: bytes) -> None:
     atomic_write(path, lambda tmp: Path(tmp).write_bytes(data))
+
+
+def finite_json(value, *, indent: int | None = None) -> str:
+    """JSON that every reader parses: a NaN or infinite number (a diverged loss, say) is written
+    as null, and each dict holding one gains "nonfinite": {key: "nan" | "inf" | "-inf"}, saying
+    which values were not numbers and what they were (json.dumps would write bare NaN)."""
+    return json.dumps(_finite(value), indent=indent, ensure_ascii=False, allow_nan=False)
+
+
+def _finite(value):
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        bad = {k: str(v).lower() for k, v in value.items() if isinstance(v, float) and not math.isfinite(v)}
+        out = {k: _finite(v) for k, v in value.items()}
+        return {**out, "nonfinite": {**out.get("nonfinite", {}), **bad}} if bad else out
+    if isinstance(value, list | tuple):
+        return [_finite(v) for v in value]
+    return value
+

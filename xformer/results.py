@@ -6,9 +6,10 @@ files (RUN/eval.json, RUN/eval/*.json, heads.json, ...) hold.
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+from xformer.files import finite_json
 
 
 class Result:
@@ -19,7 +20,7 @@ class Result:
         return {k: v for k, v in asdict(self).items() if not (v is None and k in optional)}
 
     def to_json(self, indent: int | None = 2) -> str:
-        return json.dumps(self.to_dict(), indent=indent)
+        return finite_json(self.to_dict(), indent=indent)  # null (and "nonfinite") for NaN / inf
 
 
 @dataclass

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from xformer.files import atomic_write_text
+from xformer.files import atomic_write_text, finite_json
 
 
 @dataclass
@@ -95,7 +95,7 @@ class LogLine:
 
 def append_jsonl(path: Path, record: dict) -> None:
     with path.open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+        f.write(finite_json(record) + "\n")
 
 
 def truncate_metrics(path: Path, step: int) -> None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import json
+import math
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,7 +43,7 @@ from xformer.cpuload import OtherLoad
 from xformer.distributed import Cluster, cluster_from_env
 from xformer.errors import DivergedError, RunError
 from xformer.events import Event, ignore
-from xformer.files import atomic_write_text
+from xformer.files import atomic_write_text, finite_json
 from xformer.instrument import PeakMemory, allocator_peak
 from xformer.locks import FolderLock, check_free
 from xformer.model.dropout import use_fast_dropout
@@ -414,7 +414,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
     )
     if cluster.writer:
         atomic_write_text(out_dir / "train.json",
-                          json.dumps({**asdict(result), "loop_overhead": result.loop_overhead}, indent=2))
+                          finite_json({**asdict(result), "loop_overhead": result.loop_overhead}, indent=2))
     emit("end", asdict(result))
     return result
 
@@ -439,7 +439,11 @@ def _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed
     record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch + 1, **scores, "seconds": elapsed()}
     key = recipe.best_metric
     sign = -1.0 if key == "loss" else 1.0
-    improved = progress.best is None or key not in progress.best or sign * scores[key] > sign * progress.best[key]
+    # a non-finite score (weights gone NaN) is never the best, and a best is never compared with one
+    finite = math.isfinite(scores[key])
+    kept = progress.best is not None and key in progress.best and progress.best[key] is not None \
+        and math.isfinite(progress.best[key])
+    improved = finite and (not kept or sign * scores[key] > sign * progress.best[key])
     if improved:
         progress.best = {"step": progress.step, **scores}
         progress.bad_validations = 0
