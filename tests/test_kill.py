@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from tests.processes import RECIPE, launch, train_command
+from tests.test_experiment import SPEC
 from xformer.checkpoint import read_checkpoint
 from xformer.runlog import truncate_metrics
 
@@ -192,22 +193,13 @@ def test_an_experiment_stops_on_sigterm_with_exit_0_and_a_rerun_finishes_it(corp
     """SIGTERM while an experiment's first run trains: that run checkpoints, no other run
     starts, the command exits 0 (as train does; Ctrl-C would be 130); the same command again
     finishes the experiment from there."""
-    spec = tmp_path / "spec.toml"
-    spec.write_text(f"""[experiment]
-recipe = {json.dumps(str(RECIPE))}
-seeds = [1]
-baseline = "b"
-max_steps = 40
-set = ["train.valid_every=10", "train.average_last=0"]
-
-[experiment.cells]
-a = ["model.n_heads=1"]
-b = []
-""")
+    spec = tmp_path / "spec.toml"  # test_experiment's two cells, one seed, runs long enough to stop in
+    spec.write_text(SPEC.replace("seeds = [1, 2]", "seeds = [1]").replace("max_steps = 6", "max_steps = 40")
+                    .replace("train.valid_every=3", "train.valid_every=10"))
     sets = [a for value in [*TINY, f"data.dataset={json.dumps(str(corpus))}"] for a in ("--set", value)]
     args = ["experiment", str(spec), *sets, "--out", str(tmp_path / "out"), "--device", "cpu"]
     experiment = launch(args)
-    first, second = tmp_path / "out" / "runs" / "a-s1", tmp_path / "out" / "runs" / "b-s1"
+    first, second = tmp_path / "out" / "runs" / "heads_1-s1", tmp_path / "out" / "runs" / "heads_2-s1"
     deadline = time.monotonic() + 300
     while not (first / "checkpoints" / "last.safetensors").is_file():
         assert experiment.poll() is None and time.monotonic() < deadline, experiment.communicate()[1][-2000:]
