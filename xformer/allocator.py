@@ -3,8 +3,9 @@
 glibc serves every allocation above its mmap threshold (128 KiB, rising to 32 MiB at most) with
 a fresh mmap, zero-filled page by page on first touch and unmapped on free. A training step
 allocates and frees the same large tensors again and again (a 4,096-token batch's logits over
-8,000 words are 131 MB), so the process spends much of its time taking minor page faults in the
-kernel: ~33% system time on a 2-core AVX2 EPYC, ~50% and 172,000 faults a second on an AMX Xeon.
+8,000 words are 131 MB), so the process spends its time taking minor page faults in the kernel:
+8-10% of a flagship training step's CPU time on a 2-core AVX2 EPYC in fp32 (1-3% tuned;
+docs/results.md), ~50% and 172,000 faults a second reported on an AMX Xeon in bf16.
 
 tune_allocator() turns that off for this process (mallopt through ctypes) and, through the
 MALLOC_*_ variables glibc reads at start-up, for every process it starts (torchrun workers, the
