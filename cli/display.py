@@ -12,6 +12,19 @@ from xformer_cli import common
 TOTAL = 1000  # the bar counts thousandths of the run (steps, epochs or minutes, whichever ends it first)
 
 
+def finish(progress: Progress) -> None:
+    """Stop a bar that was started; rich's stop() of one never started, or of a transient bar
+    outside a terminal, writes an empty line (which would stand above the error that ended it)."""
+    if progress.live.is_started:
+        progress.stop()
+
+
+def passing_bar(console: Console) -> Progress:
+    """A transient bar (gone once done) for work of unknown length; drawn on a terminal only,
+    where it can erase itself."""
+    return Progress(console=console, transient=True, disable=not console.is_terminal)
+
+
 class TrainDisplay:
     """Consumes xformer.train events: a progress bar with step, epoch, loss, lr, tokens/s and
     ETA; a printed line per validation."""
@@ -36,9 +49,9 @@ class TrainDisplay:
         return self  # the bar appears at the "start" event, after data and tokenizer are ready
 
     def __exit__(self, *exc):
-        self.progress.stop()
+        finish(self.progress)  # an error before the "start" event leaves no empty line above it
         if self.teacher_bar is not None:
-            self.teacher_bar.stop()
+            finish(self.teacher_bar)
 
     def __call__(self, kind: str, payload: dict) -> None:
         if kind == "setup":
@@ -48,12 +61,13 @@ class TrainDisplay:
                 self.teacher_bar = Progress(TextColumn("[bold]teacher[/bold]"), BarColumn(bar_width=16),
                                             TaskProgressColumn(), TimeElapsedColumn(), TextColumn("ETA"),
                                             TimeRemainingColumn(), TextColumn("{task.completed:,.0f} sentences"),
-                                            console=self.console, transient=True)
+                                            console=self.console, transient=True,
+                                            disable=not self.console.is_terminal)
                 self.teacher_bar.start()
                 self.teacher_bar.add_task("teacher", total=payload["total"])
             self.teacher_bar.update(0, completed=payload["done"])
             if payload["done"] >= payload["total"]:
-                self.teacher_bar.stop()
+                finish(self.teacher_bar)
         elif kind == "warning":
             self.progress.console.print(payload["message"], style="bold yellow", markup=False)
         elif kind == "start":
@@ -90,15 +104,15 @@ class GridBar:
         self.task, self.done = None, 0
 
     def __enter__(self):
-        self.progress.start()
-        return self
+        return self  # the bar appears with plan(), once the grid is known to be runnable
 
     def __exit__(self, *exc):
-        self.progress.stop()
+        finish(self.progress)
 
     def plan(self, runs: int, done: int, out_dir, *, silent: int = 0) -> None:
         """`silent`: finished runs that will not report again (the bar starts past them)."""
         self.done = silent
+        self.progress.start()
         self.task = self.progress.add_task("grid", total=runs * TOTAL, completed=silent * TOTAL, run="")
         self.progress.console.print(f"[dim]{runs} runs, {done} done already; results in {out_dir}[/dim]")
 

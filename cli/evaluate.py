@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.progress import Progress
 from rich.table import Table
 
 from xformer.evaluate import evaluate_run, translate_lines
@@ -23,7 +22,7 @@ from xformer_cli.common import (
     stdout,
     user_errors,
 )
-from xformer_cli.display import score_table
+from xformer_cli.display import passing_bar, score_table
 
 BeamOption = Annotated[int | None, typer.Option("--beam", min=1, help="Beam size; 1 is greedy [default: eval.beam].")]
 LenpenOption = Annotated[float | None, typer.Option("--lenpen", min=0.0,
@@ -55,7 +54,7 @@ def evaluate(
     """Score a run on a test set: translation with beam search, sacreBLEU (cased and lowercased)
     and chrF; classification with accuracy and a confusion matrix."""
     flags = flags_named("split", "data", "device", "quantize", "ctranslate2", "baseline")
-    with flags, Progress(console=console, transient=True) as progress:
+    with flags, passing_bar(console) as progress:
         bar = progress.add_task("decoding", total=None)
         result = evaluate_run(run, split=split, data=data, beam=beam, lenpen=lenpen, checkpoint=checkpoint,
                               device=device, quantize=quantize.value if quantize else None,

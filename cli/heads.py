@@ -25,6 +25,7 @@ from xformer_cli.common import (
     stdout,
     user_errors,
 )
+from xformer_cli.display import finish
 
 
 @user_errors
@@ -76,6 +77,7 @@ def inspect_heads_command(
 
     def on_event(kind: str, payload: dict) -> None:
         if kind == "start":
+            progress.start()
             console.print(f"[dim]{payload['heads']} heads in {payload['sites']} attention modules, "
                           f"{payload['examples']} examples[/dim]")
         elif kind == "phase":
@@ -85,8 +87,11 @@ def inspect_heads_command(
         elif kind == "advance":
             progress.update(state["task"], completed=payload["done"])
 
-    with flags_named("importance", "save_pruned", "split", "data", "device"), progress:
-        report = inspect_heads(run, config, on_event=on_event)
+    try:
+        with flags_named("importance", "save_pruned", "split", "data", "device"):
+            report = inspect_heads(run, config, on_event=on_event)
+    finally:
+        finish(progress)
     if as_json:
         typer.echo(report.to_json())
         return

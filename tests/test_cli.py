@@ -120,6 +120,27 @@ def test_bad_paths_and_flag_values_are_one_line(tmp_path):
     assert "--set" not in runner.invoke(app, ["train", str(RECIPE), "--max-time", "-1"]).stderr
 
 
+def test_an_error_is_the_first_line_written_with_no_empty_line_above_it(tmp_path):
+    """A bar that never started (train failing while loading its data), a transient one
+    outside a terminal (eval) and one over a grid leave nothing above the error."""
+    missing = json.dumps(str(tmp_path / "none"))
+    for args in (["eval", str(tmp_path)], ["inspect-heads", str(tmp_path)],
+                 ["train", str(RECIPE), "--set", f"data.dataset={missing}", "--out", str(tmp_path / "r")]):
+        result = runner.invoke(app, args)
+        assert result.exit_code == 2 and "\n\n" not in "\n" + result.stderr, (args, result.stderr)
+
+
+def test_a_write_that_fails_names_the_file_written_not_its_temporary():
+    """atomic_write writes through a temporary file beside the target; an error in it names the
+    target, the one file the user knows."""
+    from xformer.files import atomic_write
+
+    target = Path("/proc/xformer-cannot-write-here.json")
+    with pytest.raises(OSError) as info:
+        atomic_write(target, lambda tmp: Path(tmp).write_text("x"))
+    assert info.value.filename == str(target) and ".tmp" not in str(info.value)
+
+
 def test_the_progress_bar_keeps_its_times_at_80_columns():
     import io
     import re

@@ -74,6 +74,16 @@ def test_overrides_are_toml_typed_and_validated_the_same_way():
     assert problems(VALID, ["model.d_model=abc"]) == ['--set model.d_model: expected an integer, found "abc" (string)']
 
 
+def test_a_problem_a_set_causes_is_blamed_on_that_set_not_the_file():
+    """A table that only --set names is the --set's; a rule between two keys that a --set broke
+    names the file's key and the --set value it met."""
+    assert problems(VALID, ["foo.bar=1"]) == ["--set foo: unknown table"]
+    assert problems(VALID, ["model.max_positions=100"]) == [
+        "r.toml with --set model.max_positions=100: data.max_len: expected at most model.max_positions - 1 = 99, "
+        "found 256"]
+    assert problems({**VALID, "foo": {"bar": 1}}) == ["r.toml: foo: unknown table"]
+
+
 @pytest.mark.parametrize("bad", ["lr=1", "train.lr", "=3", "train.=3", "a.b.c=1"])
 def test_malformed_override(bad):
     assert problems(VALID, [bad]) == [f"--set {bad}: expected section.key=value, e.g. train.lr=3e-4"]

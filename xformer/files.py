@@ -17,16 +17,25 @@ def atomic_write(path: str | Path, write: Callable[[str], None], *, previous: st
     complete: a kill between the two renames leaves `previous`, never nothing."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    os.close(fd)
+    tmp = None
     try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        os.close(fd)
         write(tmp)
         os.chmod(tmp, 0o644)  # mkstemp makes 0600; a run directory is often shared
         if previous is not None and path.exists():
             os.replace(path, previous)
         os.replace(tmp, path)
+    except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        if exc.filename is None or ".tmp" not in str(exc.filename):
+            raise
+        # the temporary file is ours, not the user's: the error names the file being written
+        raise type(exc)(exc.errno, exc.strerror, str(path)) from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 

@@ -10,6 +10,7 @@ they go through exactly the same checks as the file.
 from __future__ import annotations
 
 import dataclasses
+import re
 import sys
 from pathlib import Path
 from typing import Any
@@ -63,6 +64,7 @@ def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe
     """Validate plain tables (as tomllib returns them) plus overrides into a Recipe."""
     problems: list[str] = []
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    tables = set(raw)  # the source's own, before --set adds any
     overridden = _apply_overrides(raw, overrides, problems)
     _rename_legacy_keys(raw, problems)
     sections: dict[str, Any] = {}
@@ -86,7 +88,7 @@ def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe
     if typed:
         problems += recipe.cross_section_problems()
     if problems:
-        raise RecipeError([_locate(p, source, overridden) for p in problems])
+        raise RecipeError([_locate(p, source, overridden, tables) for p in problems])
     return recipe
 
 
@@ -141,8 +143,9 @@ def parse_override(item: str) -> tuple[str, str, Any]:
     return section, name, value
 
 
-def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> set[str]:
-    touched = set()
+def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> dict[str, str]:
+    """Merge the overrides into raw; {section.key: the --set item} of those applied."""
+    touched = {}
     for item in overrides:
         try:
             section, name, value = parse_override(item)
@@ -152,15 +155,20 @@ def _apply_overrides(raw: dict, overrides: list[str], problems: list[str]) -> se
         table = raw.setdefault(section, {})
         if isinstance(table, dict):
             table[name] = value
-            touched.add(f"{section}.{name}")
+            touched[f"{section}.{name}"] = item
     return touched
 
 
-def _locate(problem: str, source: str, overridden: set[str]) -> str:
+def _locate(problem: str, source: str, overridden: dict[str, str], tables: set[str]) -> str:
+    """Blame a problem on what caused it: the --set of its key, or of a table only --set made;
+    the source for its own keys, naming the --set values the problem depends on."""
     if problem.startswith("--set"):
         return problem
     key = problem.split(":", 1)[0]
-    return f"--set {problem}" if key in overridden else f"{source}: {problem}"
+    if key in overridden or ("." not in key and key not in tables and any(k.startswith(f"{key}.") for k in overridden)):
+        return f"--set {problem}"
+    involved = [item for name, item in overridden.items() if re.search(rf"\b{re.escape(name)}\b", problem)]
+    return f"{source} with --set {', --set '.join(involved)}: {problem}" if involved else f"{source}: {problem}"
 
 
 def load_run_recipe(run_dir: str | Path, overrides: list[str] | None = None) -> Recipe:
