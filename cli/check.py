@@ -27,6 +27,11 @@ def check(
     config.add_column("key")
     config.add_column("value")
     for section, values in result.config.items():
+        if section == "changes":  # what a resumed run changed: the values above are the latest
+            for change in values:
+                shown = ", ".join(f"{k} {change['was'][k]} -> {v}" for k, v in change["set"].items())
+                config.add_row(f"from step {change['step']}", shown)
+            continue
         for key, value in values.items():
             config.add_row(f"{section}.{key}", str(value))
     for key, value in result.derived.items():

@@ -40,6 +40,15 @@ def test_check_prints_config_and_parameters():
     assert "model.d_model" in result.stdout and "non_embedding" in result.stdout
 
 
+def test_check_shows_what_a_resumed_run_changed(tmp_path):
+    recipe = tmp_path / "recipe.toml"
+    recipe.write_text(RECIPE.read_text() + '\n[[changes]]\nstep = 40\nset = {"train.lr" = 1e-4}\n'
+                      'was = {"train.lr" = 5e-4}\n')
+    result = runner.invoke(app, ["check", str(recipe)], terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "from step 40" in result.stdout and "train.lr 0.0005 -> 0.0001" in result.stdout
+
+
 def test_check_json_is_one_object():
     result = runner.invoke(app, ["check", str(RECIPE), "--json", "--set", "model.n_kv_heads=2"])
     assert result.exit_code == 0, result.output

@@ -166,3 +166,36 @@ def test_a_bad_value_is_shown_as_written_not_escaped():
         load_recipe(Path(__file__).resolve().parents[1] / "recipes" / "translation" / "multi30k_de_en.toml",
                     ['model.norm="läyer"'])
     assert 'found "läyer" (string)' in str(refused.value) and "\\u00e4" not in str(refused.value)
+
+
+def test_changes_round_trip_and_give_the_recipe_as_it_stood_at_each_step():
+    """[[changes]] tables: the tables hold the latest values; recipe_at undoes the changes made
+    after a step, one after another, and a saved recipe reloads equal."""
+    import tomllib
+
+    from xformer.recipe_io import recipe_at
+
+    raw = {"train": {"max_steps": 30, "lr": 1e-4, "clip_norm": 1.0},
+           "changes": [{"step": 10, "set": {"train.lr": 5e-4, "train.max_steps": 20}, "was": {"train.lr": 1e-3,
+                                                                                            "train.max_steps": 10}},
+                       {"step": 20, "set": {"train.lr": 1e-4, "train.max_steps": 30, "train.clip_norm": 1.0},
+                        "was": {"train.lr": 5e-4, "train.max_steps": 20, "train.clip_norm": 0.0}}]}
+    recipe = recipe_from_dict(raw)
+    assert [(r.train.lr, r.train.max_steps, r.train.clip_norm, len(r.changes))
+            for r in (recipe_at(recipe, s) for s in (0, 9, 10, 19, 20, 99))] == [
+        (1e-3, 10, 0.0, 0), (1e-3, 10, 0.0, 0), (5e-4, 20, 0.0, 1), (5e-4, 20, 0.0, 1), (1e-4, 30, 1.0, 2),
+        (1e-4, 30, 1.0, 2)]
+    assert recipe.next_change(0) == 10 and recipe.next_change(10) == 20 and recipe.next_change(20) is None
+    assert recipe_from_dict(tomllib.loads(recipe.to_toml())) == recipe
+
+
+@pytest.mark.parametrize(("change", "found"), [
+    ({"step": 5, "set": {"model.d_model": 64}, "was": {"model.d_model": 32}}, "model.d_model cannot change"),
+    ({"step": 5, "set": {"train.seed": 2}, "was": {"train.seed": 1}}, "train.seed cannot change"),
+    ({"step": -1, "set": {"train.lr": 1.0}, "was": {"train.lr": 2.0}}, "changes[0].step: expected"),
+    ({"step": 5, "set": {"train.lr": 1.0}, "was": {}}, "same section.key names"),
+    ({"step": 5, "set": {"train.lr": 1e-3}, "was": {"train.lr": "fast"}}, "changes: train.lr: expected"),
+])
+def test_a_change_that_a_run_cannot_make_is_refused(change, found):
+    (line,) = problems({**VALID, "changes": [change]})
+    assert found in line, line

@@ -9,6 +9,7 @@ from typer.testing import CliRunner
 
 from tests.test_train import RECIPE, TINY
 from xformer.checkpoint import read_checkpoint
+from xformer.recipe_io import load_recipe
 from xformer_cli.main import app
 
 runner = CliRunner()
@@ -82,13 +83,19 @@ def test_overwrite_removes_run_artefacts_only_and_resume_never_writes_the_recipe
     assert "--overwrite removed" in replaced.stderr
     assert (run / "my-analysis.md").read_text(encoding="utf-8") == "keep me"
     assert (run / "checkpoints" / "last.safetensors").is_file()
-    # the run's own recipe resumes it (what the interrupt hint prints) and stays as it was
-    saved = (run / "recipe.toml").read_bytes()
+    # the run's own recipe resumes it (what the interrupt hint prints), recording the new limit
+    # with the step it took effect at; a resume that changes nothing leaves it as it was
     resumed = runner.invoke(app, ["train", "runs/a/recipe.toml", "--out", "runs/a", "--resume", "--max-steps", "3"])
     assert resumed.exit_code == 0, resumed.output
-    assert (run / "recipe.toml").read_bytes() == saved
+    recorded = load_recipe(run / "recipe.toml")
+    assert recorded.train.max_steps == 3
+    assert [(c.step, c.set, c.was) for c in recorded.changes] == [(2, {"train.max_steps": 3}, {"train.max_steps": 2})]
     _, meta = read_checkpoint(run / "checkpoints" / "last.safetensors")
     assert meta["progress"]["step"] == 3
+    saved = (run / "recipe.toml").read_bytes()
+    done = runner.invoke(app, ["train", "runs/a/recipe.toml", "--out", "runs/a", "--resume"])
+    assert done.exit_code == 2 and "already stopped" in done.stderr
+    assert (run / "recipe.toml").read_bytes() == saved
     # ... but --overwrite from it would delete the file being read
     one_line_error(runner.invoke(app, ["train", "runs/a/recipe.toml", "--out", "runs/a", "--overwrite"]),
                    "holds the recipe")

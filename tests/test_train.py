@@ -13,6 +13,7 @@ from typer.testing import CliRunner
 from xformer.checkpoint import read_checkpoint, read_checkpoint_meta
 from xformer.errors import RunError
 from xformer.evaluate import evaluate_run
+from xformer.optim import learning_rate
 from xformer.recipe_io import load_recipe
 from xformer.results import TranslationEval
 from xformer.runtime import resolve_runtime
@@ -166,38 +167,118 @@ def test_a_compiled_run_trains_what_an_eager_run_trains(corpus, tmp_path):
     assert len(losses[True]) == 5 and losses[True] == pytest.approx(losses[False], rel=1e-3)
 
 
-def test_a_run_that_goes_nonfinite_skips_steps_then_stops_with_what_to_try(corpus, tmp_path):
-    """A NaN planted in a weight of the last checkpoint makes every resumed step non-finite:
-    each is skipped (the weights stay as they were, the skips are in metrics.jsonl), and after
-    train.max_nonfinite_steps in a row the run stops with one line, its checkpoint intact."""
+def _plant(checkpoint: Path, value: float, prefix: str = "model.") -> str:
+    """Fill the first 2-D tensor named `prefix`... of a checkpoint with `value` (its digest
+    rewritten, so it reads as sound); returns the tensor's name."""
     from xformer.checkpoint import write_tensors
 
+    tensors, meta = read_checkpoint(checkpoint)
+    name = next(k for k in tensors if k.startswith(prefix) and tensors[k].dim() == 2)
+    tensors[name].fill_(value)
+    write_tensors(checkpoint, tensors, {k: v for k, v in meta.items() if k != "format"})
+    return name
+
+
+def test_a_run_that_goes_nonfinite_skips_steps_then_stops_and_resumes_from_before_it(corpus, tmp_path):
+    """Weights of 1e30 (finite, but attention scores overflow) make every step's loss NaN: each
+    step is skipped (the weights stay as they were, the skips are in metrics.jsonl), and after
+    train.max_nonfinite_steps in a row the run stops with one line. --resume then goes back to
+    the checkpoint before the one the guard wrote (which it keeps, named by its step), rather
+    than continuing a state that can only repeat the same NaN."""
     out = tmp_path / "r"
-    run(tiny_recipe(corpus, "train.max_steps=6"), out, device="cpu")
+    run(tiny_recipe(corpus, "train.max_steps=6", "train.valid_every=3"), out, device="cpu")
     last = out / "checkpoints" / "last.safetensors"
-    tensors, meta = read_checkpoint(last)
-    name = next(k for k in tensors if k.startswith("model.") and tensors[k].dim() == 2)
-    tensors[name][0, 0] = float("nan")
-    write_tensors(last, tensors, {k: v for k, v in meta.items() if k != "format"})
-    recipe = tiny_recipe(corpus, "train.max_steps=30", "train.max_nonfinite_steps=3", "train.log_every=1")
+    name = _plant(last, 1e30)
+    planted, _ = read_checkpoint(last)
+    recipe = tiny_recipe(corpus, "train.max_steps=30", "train.valid_every=3", "train.max_nonfinite_steps=3",
+                         "train.log_every=1")
     with pytest.raises(RunError, match=r"not finite for 4 steps in a row, up to step 10; lower train.lr"):
         run(recipe, out, device="cpu", resume=True)
     after, meta_after = read_checkpoint(last)
-    assert meta_after["progress"]["step"] == 10
-    for key in tensors:
-        if key.startswith("model."):
-            assert torch.allclose(after[key], tensors[key], rtol=0, atol=0, equal_nan=True), key
+    assert meta_after["progress"]["step"] == 10 and meta_after["stop_reason"] == "nonfinite"
+    assert torch.equal(after[name], planted[name])  # skipped steps changed nothing
+
     def strict(text: str):  # NaN / Infinity are not JSON: a reader in another language would fail
         return json.loads(text, parse_constant=lambda word: pytest.fail(f"bare {word} in JSON"))
 
     records = [strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     resumed = [r for r in records if r["kind"] == "train" and r["step"] > 6]
     assert [r["skipped"] for r in resumed] == [1, 1, 1, 1] and all(r["loss"] is None for r in resumed)
-    sets = [arg for value in TINY + [f"data.dataset={json.dumps(str(corpus))}", "train.max_nonfinite_steps=2"]
+    sets = [arg for value in TINY + [f"data.dataset={json.dumps(str(corpus))}", "train.max_nonfinite_steps=2",
+                                     "train.valid_every=3", "train.log_every=1"]
             for arg in ("--set", value)]
     again = runner.invoke(app, ["train", str(RECIPE), *sets, "--max-steps", "30", "--out", str(out), "--resume"])
-    assert again.exit_code == 2 and "not finite for 3 steps in a row, up to step 13" in again.output
+    # from checkpoints/previous (step 6, the planted one): 7, 8 and 9 skipped
+    assert again.exit_code == 2 and "not finite for 3 steps in a row, up to step 9" in again.output, again.output
+    assert "stopped by train.max_nonfinite_steps at step 10" in again.output and "(step 6)" in again.output
     assert "Traceback" not in again.output
+    assert read_checkpoint(out / "checkpoints" / "nonfinite_step_0000010.safetensors")[1]["stop_reason"] == "nonfinite"
+    records = [strict(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records if r["kind"] == "train" and r["step"] > 6] == [7, 8, 9]  # redone, once
+
+
+def test_resume_goes_back_past_non_finite_weights_and_refuses_when_nothing_is_finite(corpus, tmp_path):
+    """A last checkpoint holding NaN weights or optimizer moments is no state to train from:
+    --resume continues from checkpoints/previous, ending as a run never interrupted from there
+    would; with previous gone too it refuses in one line, exit 2."""
+    extra = ["train.valid_every=3", "model.dropout=0.3"]
+    out = tmp_path / "r"
+    run(tiny_recipe(corpus, *extra, "train.max_steps=6"), out, device="cpu")
+    _plant(out / "checkpoints" / "last.safetensors", float("nan"), prefix="optim.")
+    resumed = run(tiny_recipe(corpus, *extra, "train.max_steps=9"), out, device="cpu", resume=True)
+    straight = tmp_path / "straight"
+    run(tiny_recipe(corpus, *extra, "train.max_steps=3"), straight, device="cpu")
+    run(tiny_recipe(corpus, *extra, "train.max_steps=9"), straight, device="cpu", resume=True)
+    assert resumed.steps == 9
+    a, _ = read_checkpoint(straight / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(out / "checkpoints" / "last.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith("model."))
+    for checkpoint in ("last", "previous"):
+        _plant(out / "checkpoints" / f"{checkpoint}.safetensors", float("nan"))
+    sets = [arg for value in TINY + [f"data.dataset={json.dumps(str(corpus))}", *extra] for arg in ("--set", value)]
+    refused = runner.invoke(app, ["train", str(RECIPE), *sets, "--max-steps", "12", "--out", str(out), "--resume"])
+    assert refused.exit_code == 2 and "no finite checkpoint to resume from" in refused.stderr, refused.output
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_a_change_on_resume_is_recorded_with_its_step_and_a_run_of_the_saved_recipe_replays_it(corpus, tmp_path):
+    """--resume --set train.lr=... --max-steps ...: recipe.toml holds the new values and a
+    [[changes]] table with the step they took effect at, train.json lists it, and training the
+    run's own recipe.toml into a new folder reproduces the run: the same weights, the same
+    validations."""
+    extra = ["train.valid_every=2", "model.dropout=0.3", "train.log_every=1"]
+    out = tmp_path / "r"
+    run(tiny_recipe(corpus, *extra, "train.max_steps=3"), out, device="cpu")
+    saved = out / "recipe.toml"
+    sets = ["--set", "train.lr=1e-3", "--max-steps", "7"]
+    resumed = runner.invoke(app, ["train", str(saved), *sets, "--out", str(out), "--resume", "--device", "cpu"])
+    assert resumed.exit_code == 0, resumed.output
+    assert "from step 3: train.lr 0.003 -> 0.001, train.max_steps 3 -> 7" in resumed.output
+    recorded = load_recipe(saved)
+    assert recorded.train.lr == 1e-3 and recorded.train.max_steps == 7
+    assert [(c.step, c.set, c.was) for c in recorded.changes] == [
+        (3, {"train.lr": 1e-3, "train.max_steps": 7}, {"train.lr": 3e-3, "train.max_steps": 3})]
+    assert json.loads((out / "train.json").read_text())["changes"] == [
+        {"step": 3, "set": {"train.lr": 1e-3, "train.max_steps": 7}, "was": {"train.lr": 3e-3, "train.max_steps": 3}}]
+    lrs = {r["step"]: r["lr"] for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines())
+           if r["kind"] == "train"}
+    again = runner.invoke(app, ["train", str(saved), "--out", str(out), "--resume", "--device", "cpu"])
+    assert again.exit_code == 2 and "already stopped by train.max_steps" in again.output  # no second change
+    replay = tmp_path / "replay"
+    result = run(load_recipe(saved), replay, device="cpu")
+    assert result.steps == 7 and result.stop_reason == "max_steps"
+    a, _ = read_checkpoint(out / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(replay / "checkpoints" / "last.safetensors")
+    for key in a:
+        if key.startswith(("model.", "optim.")):
+            assert torch.equal(a[key], b[key]), key
+    records = {name: [r for r in map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())]
+               for name, run_dir in (("resumed", out), ("replay", replay))}
+    valid = {name: [(r["step"], r["loss"]) for r in rs if r["kind"] == "valid"] for name, rs in records.items()}
+    assert valid["resumed"] == valid["replay"] and [s for s, _ in valid["replay"]] == [2, 3, 4, 6, 7]
+    assert {r["step"]: r["lr"] for r in records["replay"] if r["kind"] == "train"} == lrs
+    assert lrs[3] == pytest.approx(learning_rate(3, tiny_recipe(corpus, *extra, "train.max_steps=3").train))
+    assert load_recipe(replay / "recipe.toml") == recorded
 
 
 def test_resume_refuses_a_different_model(corpus, trained):

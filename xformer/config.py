@@ -379,15 +379,36 @@ SECTIONS: dict[str, type] = {cls.SECTION: cls for cls in (ModelConfig, DataConfi
                                                           DistillConfig)}
 
 
+# what `train --resume` may change in a run (recorded as a Change); the rest fixes the model,
+# its data or the batch plan a checkpoint's position refers to
+CHANGEABLE = ("train", "eval")
+FIXED_ON_RESUME = ("train.seed", "train.accumulate_steps")
+
+
+@dataclass
+class Change:
+    """[[changes]]: values `train --resume` changed, in effect from optimizer step `step` on.
+    The recipe's tables hold the values after the last change; `was` holds those before, so
+    Recipe.at(step) is the recipe as it stood at any step, and a run of the recipe replays it."""
+
+    step: int
+    set: dict[str, Any]  # "section.key" -> the value from `step` on
+    was: dict[str, Any]  # "section.key" -> the value before
+
+    def describe(self) -> str:
+        return ", ".join(f"{k} {toml_value(self.was.get(k))} -> {toml_value(v)}" for k, v in self.set.items())
+
+
 @dataclass
 class Recipe:
-    """A whole recipe: the four tables."""
+    """A whole recipe: the four tables, and the changes a resumed run made to them."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     distill: DistillConfig = field(default_factory=DistillConfig)
+    changes: list[Change] = field(default_factory=list)
 
     def problems(self) -> list[str]:
         out = self.model.problems() + self.data.problems()
@@ -421,15 +442,26 @@ class Recipe:
                if name != "distill" or self.distill.teacher}
         if not self.eval.quantize:
             del out["eval"]["quantize"]
+        if self.changes:
+            out["changes"] = [{"step": c.step, "set": dict(c.set), "was": dict(c.was)} for c in self.changes]
         return out
 
     def to_toml(self) -> str:
         lines: list[str] = []
         for section, values in self.to_dict().items():
+            if section == "changes":
+                continue
             lines.append(f"[{section}]")
             lines += [f"{key} = {toml_value(value)}" for key, value in values.items()]
             lines.append("")
+        for change in self.changes:
+            lines += [f"[[changes]]  # train --resume from step {change.step}: {change.describe()}",
+                      f"step = {change.step}", f"set = {toml_value(change.set)}", f"was = {toml_value(change.was)}", ""]
         return "\n".join(lines)
+
+    def next_change(self, step: int) -> int | None:
+        """The step of the first change after `step`, if any."""
+        return min((c.step for c in self.changes if c.step > step), default=None)
 
     def save(self, path: str | Path) -> None:
         Path(path).write_text(self.to_toml(), encoding="utf-8")

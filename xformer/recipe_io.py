@@ -15,7 +15,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xformer.config import SECTIONS, DataConfig, Recipe
+from xformer.config import CHANGEABLE, FIXED_ON_RESUME, SECTIONS, Change, DataConfig, Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.strict import describe, did_you_mean, section_from_dict
 from xformer.tasks import TASKS
@@ -64,6 +64,7 @@ def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe
     """Validate plain tables (as tomllib returns them) plus overrides into a Recipe."""
     problems: list[str] = []
     raw = {k: dict(v) if isinstance(v, dict) else v for k, v in raw.items()}
+    changes = _changes_from(raw.pop("changes", []), problems)
     tables = set(raw)  # the source's own, before --set adds any
     overridden = _apply_overrides(raw, overrides, problems)
     _rename_legacy_keys(raw, problems)
@@ -84,12 +85,61 @@ def recipe_from_dict(raw: dict, overrides: list[str] = (), source: str = "recipe
         if values_ok:  # range and cross-field rules only make sense once every value has its type
             problems += sections[name].problems()
         typed = typed and values_ok
-    recipe = Recipe(**sections)
+    recipe = Recipe(**sections, changes=changes)
     if typed:
         problems += recipe.cross_section_problems()
+    if not problems and changes:  # each step's recipe must be one too
+        try:
+            recipe_at(recipe, -1)
+        except RecipeError as exc:
+            problems += exc.problems  # "changes: section.key: ..." (recipe_at's source)
     if problems:
         raise RecipeError([_locate(p, source, overridden, tables) for p in problems])
     return recipe
+
+
+def recipe_at(recipe: Recipe, step: int) -> Recipe:
+    """The recipe as it stood at optimizer step `step`: the changes made after it undone."""
+    later = [c for c in recipe.changes if c.step > step]
+    if not later:
+        return recipe
+    raw = recipe.to_dict()
+    raw["changes"] = [c for c in raw.pop("changes") if c["step"] <= step]
+    for change in reversed(later):
+        for key, value in change.was.items():
+            section, name = key.split(".")
+            raw.setdefault(section, {})[name] = value
+    return recipe_from_dict(raw, source="changes")
+
+
+def _changes_from(value, problems: list[str]) -> list[Change]:
+    """[[changes]] tables into Change records; what is wrong with them into `problems`."""
+    if not isinstance(value, list) or not all(isinstance(v, dict) for v in value):
+        problems.append(f"changes: expected [[changes]] tables, found {describe(value)}")
+        return []
+    out = []
+    for i, table in enumerate(value):
+        where = f"changes[{i}]"
+        unknown = set(table) - {"step", "set", "was"}
+        if unknown:
+            problems.append(f"{where}: unknown key(s) {', '.join(sorted(unknown))}; expected step, set and was")
+        step, now, was = table.get("step"), table.get("set"), table.get("was")
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            problems.append(f"{where}.step: expected an optimizer step >= 0, found {describe(step)}")
+            continue
+        if not isinstance(now, dict) or not isinstance(was, dict) or set(now) != set(was) or not now:
+            problems.append(f"{where}: expected set and was, tables of the same section.key names")
+            continue
+        fields = {f"{name}.{f.name}" for name in CHANGEABLE for f in dataclasses.fields(SECTIONS[name])}
+        bad = sorted(k for k in now if k not in fields or k in FIXED_ON_RESUME)
+        if bad:
+            problems.append(f"{where}: {', '.join(bad)} cannot change during a run (only [train] and [eval] values, "
+                            f"not {' or '.join(FIXED_ON_RESUME)})")
+            continue
+        out.append(Change(step=step, set=dict(now), was=dict(was)))
+    if [c.step for c in out] != sorted(c.step for c in out):
+        problems.append("changes: expected in the order of their steps")
+    return out
 
 
 LEGACY_KEYS = {("model", "activation"): "ffn"}  # key -> its new name; run directories still hold the old one

@@ -48,15 +48,14 @@ class LogLine:
     the device (no host sync per step); `state` reads them at a checkpoint, and a resumed run
     continues the line from there rather than starting a shorter one."""
 
-    def __init__(self, device: torch.device, saved: dict | None = None, *, retrying: bool = False):
+    def __init__(self, device: torch.device, saved: dict | None = None):
         saved = saved or {}
 
         def tensor(key: str) -> torch.Tensor:
             return torch.tensor(float(saved.get(key, 0.0)), dtype=torch.float32, device=device)
 
         self.loss, self.skipped, self.skipped_units = tensor("loss"), tensor("skipped"), tensor("skipped_units")
-        # consecutive skips; a run resumed after stopping for them starts counting afresh
-        self.skipped_run = torch.zeros((), device=device) if retrying else tensor("skipped_run")
+        self.skipped_run = tensor("skipped_run")  # consecutive skips
         self.units, self.tokens = int(saved.get("units", 0)), int(saved.get("tokens", 0))
         self.started = time.perf_counter() - float(saved.get("seconds", 0.0))
 

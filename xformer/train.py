@@ -33,7 +33,6 @@ from xformer.checkpoint import (
     average_checkpoints,
     load_model_weights,
     load_optimizer_state,
-    read_checkpoint,
     read_checkpoint_meta,
     save_checkpoint,
 )
@@ -49,18 +48,10 @@ from xformer.locks import FolderLock, check_free
 from xformer.model.dropout import use_fast_dropout
 from xformer.model.flex import unavailable as flex_unavailable
 from xformer.optim import build_optimizer, learning_rate
-from xformer.recipe_io import load_recipe, load_run_recipe
+from xformer.recipe_io import load_run_recipe, recipe_at
+from xformer.resume import has_checkpoint, prepare_run_dir, resume_point, resumed_recipe, set_aside
 from xformer.runcard import run_card
-from xformer.rundir import (
-    check_out_dir,
-    check_tokenizer,
-    clear_run_dir,
-    finished_at,
-    is_run_dir,
-    mark_run_dir,
-    remove_temporaries,
-    tokenizer_digest,
-)
+from xformer.rundir import finished_at, remove_temporaries, tokenizer_digest
 from xformer.runlog import LogLine, Progress, StopSignals, append_jsonl, truncate_metrics
 from xformer.runtime import Runtime, resolve_runtime
 from xformer.tasks import make_task
@@ -86,6 +77,7 @@ class TrainResult:
     history: list[dict] = field(default_factory=list)
     skipped_steps: int = 0  # not finite, so not taken (Runtime.step)
     card: dict = field(default_factory=dict)  # what reproducing the run needs (xformer.runcard)
+    changes: list[dict] = field(default_factory=list)  # what --resume changed, and from which step
     stop_signal: str = ""  # the signal that interrupted it, e.g. "SIGTERM"
     # mean CPU cores other processes took while it trained (xformer.cpuload); None: not measurable
     others_cpu: float | None = None
@@ -95,63 +87,6 @@ class TrainResult:
         """What the loop adds over forward + backward + step (batching, logging, progress
         events), as a fraction of that compute time; validation is not part of the loop."""
         return self.loop_seconds / max(self.compute_seconds, 1e-9) - 1.0
-
-
-def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: bool,
-                    recipe_path: Path | None = None, check_only: bool = False) -> list[str]:
-    """Create RUN, or check that --resume continues the same recipe; never overwrite silently
-    and never touch what is not a run's (xformer.rundir). Returns the artefacts removed.
-    check_only raises what would be refused and changes nothing."""
-    check_out_dir(out_dir, recipe_path, resume=resume)
-    saved = out_dir / "recipe.toml"
-    if resume and not has_checkpoint(out_dir):
-        if not is_run_dir(out_dir):
-            raise RunError(f"{out_dir}: nothing to resume (no checkpoints/last.safetensors)")
-    if resume and (has_checkpoint(out_dir) or saved.is_file()):
-        if has_checkpoint(out_dir):
-            last, _, meta, _ = resume_point(out_dir)
-            check_tokenizer(out_dir, last, meta)
-        old = load_recipe(saved)
-        for section in ("model", "data"):
-            before, now = asdict(getattr(old, section)), asdict(getattr(recipe, section))
-            if before != now:  # another task has other [data] fields: compare over both
-                diff = [k for k in dict.fromkeys([*now, *before]) if before.get(k) != now.get(k)]
-                raise RunError(f"{saved}: the run was started with different [{section}] values "
-                               f"({', '.join(diff)}); resume with the same recipe")
-        for key in ("seed", "accumulate_steps"):  # they fix the batch plan the resume point refers to
-            if getattr(old.train, key) != getattr(recipe.train, key):
-                raise RunError(f"{saved}: the run was started with train.{key} = {getattr(old.train, key)}, "
-                               f"found {getattr(recipe.train, key)}; a resumed run must keep it")
-        return []
-    if resume:
-        return []  # killed before its first checkpoint: it starts again at step 0, keeping its tokenizer
-    removed = clear_run_dir(out_dir, overwrite=overwrite, check_only=check_only)
-    if not check_only:
-        mark_run_dir(out_dir)
-    return removed
-
-
-def has_checkpoint(out_dir: Path) -> bool:
-    folder = out_dir / "checkpoints"
-    return (folder / "last.safetensors").is_file() or (folder / "previous.safetensors").is_file()
-
-
-def resume_point(out_dir: Path) -> tuple[Path, dict, dict, str | None]:
-    """(path, tensors, meta, why not last) of the checkpoint --resume continues from:
-    checkpoints/last, or checkpoints/previous (the last before it, kept until a newer one is
-    complete) when last is missing, unreadable or damaged; a RunError when neither will do."""
-    folder = out_dir / "checkpoints"
-    last, previous = folder / "last.safetensors", folder / "previous.safetensors"
-    if not last.is_file() and not previous.is_file():
-        raise RunError(f"{out_dir}: nothing to resume (no checkpoints/last.safetensors)")
-    try:
-        return last, *read_checkpoint(last), None
-    except RunError as error:
-        if not previous.is_file():
-            raise
-        why = str(error)
-    tensors, meta = read_checkpoint(previous)
-    return previous, tensors, meta, why
 
 
 def run(
@@ -171,6 +106,10 @@ def run(
         with contextlib.ExitStack() as hold:  # the run folder's lock, once _run takes it
             result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
                           emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory, hold=hold)
+            while result.stop_reason == "change":  # a recorded change is due: continue as --resume did
+                result = _run(load_run_recipe(out_dir), Path(out_dir), cluster, device=device, resume=True,
+                              overwrite=False, emit=on_event or ignore, recipe_path=None,
+                              measure_memory=measure_memory, hold=hold)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -195,6 +134,17 @@ def run(
 def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
          emit: Event, recipe_path: str | Path | None, measure_memory: bool, hold: contextlib.ExitStack) -> TrainResult:
     started = time.perf_counter()
+    locked = bool(hold._exit_callbacks)  # a later part of the same run (a change replayed) holds it already
+    if cluster.writer and not locked:
+        check_free(out_dir)  # another writer first: it explains any other refusal below
+    recipe_path = Path(recipe_path) if recipe_path is not None else None
+    where = dict(resume=resume, overwrite=overwrite, recipe_path=recipe_path)
+    prepare_run_dir(out_dir, recipe, **where, check_only=True)  # before minutes of data loading
+    resumable = resume and has_checkpoint(out_dir)
+    point, change = resume_point(out_dir) if resumable else None, None
+    if resumable:  # the recipe with its changes, recorded; what trains now is the recipe at this step
+        recipe, change = resumed_recipe(out_dir, recipe, point)
+    whole, recipe = recipe, recipe_at(recipe, point.step if point else 0)
     cfg = recipe.train
     rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
     if recipe.model.arch != "lstm" and recipe.model.attention_backend == "flex":
@@ -203,19 +153,13 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         if rt.device.type == "cpu":
             raise RunError("model.attention_backend = 'flex': torch's flex attention has no backward pass on a "
                            "CPU; train with 'sdpa' (the same function) and evaluate with flex, or train on CUDA")
-    recipe_path = Path(recipe_path) if recipe_path is not None else None
-    where = dict(resume=resume, overwrite=overwrite, recipe_path=recipe_path)
-    if cluster.writer:
-        check_free(out_dir)  # another writer first: it explains any other refusal below
-    prepare_run_dir(out_dir, recipe, **where, check_only=True)  # before minutes of data loading
-    if cluster.writer:  # one writer a run folder, until run() returns (rank 0 for all under torchrun)
+    if cluster.writer and not locked:  # one writer a run folder, until run() returns (rank 0 under torchrun)
         hold.enter_context(FolderLock(out_dir, "train"))
     task = make_task(recipe)
     if recipe.distill.teacher:  # a teacher that cannot teach fails before minutes of data loading
         task.use_teacher(load_run_recipe(recipe.distill.teacher), rt)
     task.load(emit)
-    card = run_card(recipe, rt, recipe.data.fingerprints())
-    resumable = resume and has_checkpoint(out_dir)
+    card = run_card(whole, rt, recipe.data.fingerprints())
     if cluster.writer:
         removed = prepare_run_dir(out_dir, recipe, **where)
         if removed:
@@ -235,21 +179,23 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
     if not cluster.writer:
         task.prepare(out_dir, ignore)
     batches = task.train_batches
-    stamp = {"recipe": recipe.to_dict(), "tokenizer": tokenizer_digest(out_dir)}  # in every checkpoint
+    stamp = {"recipe": whole.to_dict(), "tokenizer": tokenizer_digest(out_dir)}  # in every checkpoint
     model = use_fast_dropout(task.build_model(), cfg.fast_paths).to(rt.device)
     optimizer = build_optimizer(model, cfg)
     trained = model
     if cfg.compile:  # tried on the first batch, forward and backward, before training starts
         first = next(iter(batches.iter_epoch(0)))
         trained = compiled_forward(model, lambda forward: rt.backward(task.loss(forward, first, rt)), rt, emit)
-    progress, retrying, stop_reason = Progress(), False, None
+    progress, stop_reason = Progress(), None
     last = out_dir / "checkpoints" / "last.safetensors"
     if resumable:
-        point, tensors, meta, why = resume_point(out_dir)
-        if why:
-            emit("warning", {"message": f"{why}; resuming from {point} (step {meta['progress']['step']}) instead"})
-        check_tokenizer(out_dir, point, meta)
-        load_model_weights(model, tensors, point)
+        tensors, meta = point.tensors, point.meta
+        if point.why:
+            emit("warning", {"message": f"{point.why}; resuming from {point.path} (step {point.step}) instead"})
+        if change is not None:
+            emit("setup", {"message": f"from step {point.step}: {change.describe()} (recorded in "
+                                      f"{out_dir / 'recipe.toml'})"})
+        load_model_weights(model, tensors, point.path)
         fused = optimizer.param_groups[0]["fused"]  # this process's choice, not the saved one
         load_optimizer_state(optimizer, tensors, meta)
         for group in optimizer.param_groups:  # the recipe's values, not the saved ones
@@ -259,7 +205,6 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         saved.setdefault("tokens", saved.pop("target_tokens", 0))  # checkpoints before the rename
         progress = Progress(**saved)
         rt.load_state(tensors, meta)
-        retrying = meta.get("stop_reason") == "nonfinite"
         done = _stop_reason(cfg, progress, progress.seconds, len(batches))
         if done and finished_at(out_dir, progress.step):
             raise RunError(f"{out_dir}: the run already stopped by train.{done}; raise that limit "
@@ -271,14 +216,19 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
             stray = remove_temporaries(out_dir)
             if stray:
                 emit("setup", {"message": f"removed what a killed run left half-written: {', '.join(stray)}"})
-        if recipe_path is None or recipe_path.resolve() != (out_dir / "recipe.toml").resolve():
-            atomic_write_text(out_dir / "recipe.toml", recipe.to_toml())  # as resolved, new limits included
+        aside = set_aside(point) if point else None
+        if aside:
+            emit("setup", {"message": f"kept the non-finite checkpoint as {aside}"})
+        saved = out_dir / "recipe.toml"  # as resolved, new limits and changes included
+        if not saved.is_file() or saved.read_text(encoding="utf-8") != whole.to_toml():
+            atomic_write_text(saved, whole.to_toml())
     signals = StopSignals()
     parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
     emit("start", {"steps_per_epoch": len(batches) // cfg.accumulate_steps, "step": progress.step,
                    "parameters": parameters, "run_dir": str(out_dir)})
 
     seconds_before = progress.seconds  # from earlier sessions of a resumed run
+    change_at = whole.next_change(progress.step)  # a recorded change, replayed: this part ends there
 
     def elapsed() -> float:
         return seconds_before + time.perf_counter() - started
@@ -302,10 +252,16 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         progress.log_line = line.state(now)
         meta = {**stamp, "progress": asdict(progress), "stop_reason": stop_reason}
         tensors, extra_meta = rt.state()
+        # Inside a run of non-finite steps, `previous` keeps the last checkpoint from before it:
+        # the one --resume goes back to if the NaN guard stops the run (xformer.resume)
+        streak = float(line.skipped_run) > 0
+        rotate = not (streak and streaks[-1])
         save_checkpoint(last, model, meta={**meta, **extra_meta}, optimizer=optimizer, extra_tensors=tensors,
-                        previous=last.with_name("previous.safetensors"))
+                        previous=last.with_name("previous.safetensors") if rotate else None)
+        streaks.append(streak)
 
-    line = LogLine(rt.device, progress.log_line, retrying=retrying)
+    line = LogLine(rt.device, progress.log_line)
+    streaks = [float(line.skipped_run) > 0]  # whether each checkpoint was written inside a non-finite run
     others = OtherLoad()
     model.train()
     memory = PeakMemory(rt.device) if measure_memory else allocator_peak(rt.device)
@@ -338,6 +294,8 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                 # happen first, so the resumed run averages what an uninterrupted one would.
                 stop_reason, step_loss = cluster.agree(_stop_reason(cfg, progress, elapsed(), len(batches)),
                                                        bool(signals.received), step_loss)
+                if stop_reason is None and progress.step == change_at:  # run() goes on with the recipe changed
+                    stop_reason = "change"
                 line.add(step_loss, skipped, n_units, n_tokens)
                 t2 = time.perf_counter()
                 progress.data_seconds += t1 - t0
@@ -368,13 +326,13 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                                         "or train in fp32, then --resume", step=progress.step)
                 boundary = time.perf_counter()
                 progress.loop_seconds += boundary - t0
-                interrupted = stop_reason == "interrupted"
+                interrupted = stop_reason in ("interrupted", "change")  # a checkpoint, no final validation
                 final = stop_reason is not None and not interrupted
                 if progress.step % cfg.valid_every == 0 or final:
                     # a length curriculum's steps are checkpointed but not validated: scores at
                     # max_len say nothing about a model still training on shorter examples
                     if progress.step >= task.curriculum_steps or final:
-                        if interrupted:
+                        if stop_reason == "interrupted":
                             emit("setup", {"message": f"finishing the validation of step {progress.step} first "
                                                       "(a second interrupt stops at once)"})
                         if cluster.writer:
@@ -393,6 +351,8 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                 progress.epoch += 1
                 progress.batch_in_epoch = 0
     progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
+    if stop_reason != "interrupted" and progress.step == change_at:  # a limit the change raised: go on
+        stop_reason = "change"
     if progress.kept and cluster.writer:
         averaged = average_checkpoints([out_dir / "checkpoints" / k for k in progress.kept])
         load_model_weights(model, averaged)
@@ -407,7 +367,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         parameters=parameters,
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
         card={**card, "wall_seconds": time.perf_counter() - started, "processes": cluster.world},
-        stop_signal=signals.name,
+        stop_signal=signals.name, changes=whole.to_dict().get("changes", []),
         # under torch.distributed the other processes are this run's own: not measured
         others_cpu=progress.others_cpu_seconds / progress.seconds
         if others.available and progress.seconds >= cpuload.MIN_SECONDS and cluster.world == 1 else None,

@@ -1,0 +1,164 @@
+"""Where `train --resume` starts, and what it may change.
+
+A run resumes from checkpoints/last, or from checkpoints/previous (the full checkpoint before
+it) when last is missing, damaged or not finite: stopped by the NaN guard
+(train.max_nonfinite_steps), or holding weights that are NaN or infinite. Resuming from such a
+state would only repeat it, whatever the new learning rate; the non-finite last is set aside as
+checkpoints/nonfinite_step_N.safetensors, so it never becomes the `previous` of a later run.
+
+A resumed run keeps its [model] and [data] (the weights and batches refer to them), its seed
+and accumulate_steps (the batch plan a checkpoint's position refers to). Its [train] and [eval]
+values may change: each change is recorded in RUN/recipe.toml as a [[changes]] table with the
+step it took effect at (config.Change), and in train.json, so the recipe in the run folder
+reproduces the run: a new run of it replays every change at its step (train.run).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from pathlib import Path
+
+import torch
+
+from xformer.checkpoint import read_checkpoint
+from xformer.config import CHANGEABLE, FIXED_ON_RESUME, Change, Recipe
+from xformer.errors import RunError
+from xformer.recipe_io import load_recipe, recipe_at
+from xformer.rundir import check_out_dir, check_tokenizer, clear_run_dir, is_run_dir, mark_run_dir
+
+
+@dataclass
+class ResumePoint:
+    path: Path  # the checkpoint training continues from
+    tensors: dict
+    meta: dict
+    why: str | None  # why not checkpoints/last, when it is previous
+    set_aside: Path | None = None  # a non-finite last, to move out of the way before training
+
+    @property
+    def step(self) -> int:
+        return self.meta["progress"]["step"]
+
+
+def has_checkpoint(out_dir: Path) -> bool:
+    folder = out_dir / "checkpoints"
+    return (folder / "last.safetensors").is_file() or (folder / "previous.safetensors").is_file()
+
+
+def not_finite(tensors: dict, meta: dict) -> str:
+    """Why a full checkpoint is no state to train on from ("" when it is one)."""
+    step = meta.get("progress", {}).get("step")
+    if meta.get("stop_reason") == "nonfinite":
+        return f"stopped by train.max_nonfinite_steps at step {step} (the loss or gradients were not finite)"
+    for name, value in tensors.items():  # the weights, and the optimizer's moments that move them
+        if name.startswith(("model.", "optim.")) and value.is_floating_point() and not torch.isfinite(value).all():
+            return f"{'weights' if name.startswith('model.') else 'optimizer state'} not finite at step {step} " \
+                   f"({name.split('.', 1)[1]})"
+    return ""
+
+
+def resume_point(out_dir: Path) -> ResumePoint:
+    """The checkpoint --resume continues from (module docstring); a RunError when there is none
+    to continue from."""
+    folder = out_dir / "checkpoints"
+    last, previous = folder / "last.safetensors", folder / "previous.safetensors"
+    if not last.is_file() and not previous.is_file():
+        raise RunError(f"{out_dir}: nothing to resume (no checkpoints/last.safetensors)")
+    bad_last = None
+    try:
+        tensors, meta = read_checkpoint(last)
+        why = not_finite(tensors, meta)
+        if not why:
+            return ResumePoint(last, tensors, meta, None)
+        why, bad_last = f"{last}: {why}", last
+        if not previous.is_file():
+            raise RunError(f"{why}, and there is no checkpoints/previous.safetensors to go back to: train the run "
+                           "again (--overwrite) with a lower train.lr or train.clip_norm = 1.0")
+    except RunError as error:
+        if not previous.is_file():
+            raise
+        why = why if bad_last else str(error)
+    tensors, meta = read_checkpoint(previous)
+    worse = not_finite(tensors, meta)
+    if worse:
+        raise RunError(f"{why}, and {previous} too ({worse}): no finite checkpoint to resume from; train the run "
+                       "again (--overwrite) with a lower train.lr or train.clip_norm = 1.0")
+    return ResumePoint(previous, tensors, meta, why, set_aside=bad_last)
+
+
+def set_aside(point: ResumePoint) -> Path | None:
+    """Move a non-finite last out of the way (kept, named by its step); returns where it went."""
+    if point.set_aside is None or not point.set_aside.is_file():
+        return None
+    from xformer.checkpoint import read_checkpoint_meta
+
+    step = read_checkpoint_meta(point.set_aside).get("progress", {}).get("step", 0)
+    target = point.set_aside.with_name(f"nonfinite_step_{step:07d}.safetensors")
+    os.replace(point.set_aside, target)
+    return target
+
+
+def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: bool,
+                    recipe_path: Path | None = None, check_only: bool = False) -> list[str]:
+    """Create RUN, or check that there is a run to resume; never overwrite silently and never
+    touch what is not a run's (xformer.rundir). Returns the artefacts removed. check_only
+    raises what would be refused and changes nothing."""
+    check_out_dir(out_dir, recipe_path, resume=resume)
+    if resume and not has_checkpoint(out_dir) and not is_run_dir(out_dir):
+        raise RunError(f"{out_dir}: nothing to resume (no checkpoints/last.safetensors)")
+    if resume:
+        return []  # killed before its first checkpoint: it starts again at step 0, keeping its tokenizer
+    removed = clear_run_dir(out_dir, overwrite=overwrite, check_only=check_only)
+    if not check_only:
+        mark_run_dir(out_dir)
+    return removed
+
+
+def resumed_recipe(out_dir: Path, given: Recipe, point: ResumePoint) -> tuple[Recipe, Change | None]:
+    """The recipe a resumed run trains with, changes included, and the change this resume makes
+    (None when the values are the run's own). [model], [data], the seed and accumulate_steps
+    must be the run's; a [train] or [eval] value that differs from the run's at the resume
+    point is a change from that step on. Changes recorded after the resume point (a run gone
+    back to an earlier checkpoint) are kept when the recipe given is the run's own, else the
+    given values replace them."""
+    saved = out_dir / "recipe.toml"
+    check_tokenizer(out_dir, point.path, point.meta)
+    old = load_recipe(saved)
+    for section in ("model", "data", "distill"):
+        before, now = old.to_dict().get(section, {}), given.to_dict().get(section, {})
+        if before != now:  # another task has other [data] fields: compare over both
+            diff = [k for k in dict.fromkeys([*now, *before]) if before.get(k) != now.get(k)]
+            raise RunError(f"{saved}: the run was started with different [{section}] values "
+                           f"({', '.join(diff)}); resume with the same recipe")
+    for key in FIXED_ON_RESUME:  # they fix the batch plan the resume point refers to
+        section, name = key.split(".")
+        was, now = getattr(getattr(old, section), name), getattr(getattr(given, section), name)
+        if was != now:
+            raise RunError(f"{saved}: the run was started with {key} = {was}, found {now}; a resumed run must keep it")
+    if _values(old) == _values(given):
+        return old, None
+    step = point.step
+    base = _values(recipe_at(old, step))
+    now = _values(given)
+    unset = sorted(k for k in base.keys() ^ now.keys())
+    if unset:
+        raise RunError(f"{saved}: {', '.join(unset)} cannot change on resume (set in one of the recipes only)")
+    history = [c for c in old.changes if c.step <= step]
+    differ = [k for k in now if base[k] != now[k]]
+    change = Change(step, {k: now[k] for k in differ}, {k: base[k] for k in differ})
+    if history and history[-1].step == step:  # resumed twice at the same step: one change
+        merged = history.pop()
+        was = {**change.was, **merged.was}
+        change = Change(step, {k: v for k, v in {**merged.set, **change.set}.items() if was[k] != v},
+                        {k: v for k, v in was.items() if {**merged.set, **change.set}[k] != v})
+    recipe = Recipe(**{f.name: getattr(given, f.name) for f in fields(Recipe) if f.name != "changes"},
+                    changes=history + ([change] if change.set else []))
+    return recipe, change if change.set else None
+
+
+def _values(recipe: Recipe) -> dict:
+    """{"section.key": value} of what a resume may change."""
+    tables = recipe.to_dict()
+    return {f"{s}.{k}": v for s in CHANGEABLE for k, v in tables.get(s, {}).items()
+            if f"{s}.{k}" not in FIXED_ON_RESUME}
