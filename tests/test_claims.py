@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from tests.test_experiment import recall_spec
 from xformer.claims import Check, describe, judge, verdict
-from xformer.ledger import ledger_problems
+from xformer.ledger import ledger_problems, read_spec
 from xformer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -235,6 +235,30 @@ def test_the_ledger_refuses_a_folder_run_with_another_budget_than_its_spec(ledge
     assert result.stderr.strip() == (f"{runs / 'depth'}: ran with other settings than {specs / 'depth.toml'}: "
                                      "max_steps 8 (the spec: 4); the ledger reports the spec as written "
                                      "(run it into another --out)")
+
+
+def test_a_verdict_names_every_setting_an_experiment_ran_with_that_is_not_the_recipes(ledger, tmp_path):
+    """An experiment run with --set (a wider feed-forward, here) is judged as what it measured,
+    and the ledger says so: beside the verdict in the table, and every difference from the
+    spec's recipe named in its section and its record. The spec's own run says it is the recipe."""
+    folder, specs, out, _ = ledger
+    assert "Settings: the spec's recipe as written" in out.read_text()
+    assert json.loads((folder / "docs" / "claims" / "depth.json").read_text())["differences"] == []
+    spec_recipe = read_spec(specs / "depth.toml")[1].recipe("one", 1)
+    wider = spec_recipe.model.d_ff * 2
+    runs = tmp_path / "runs"
+    trained = runner.invoke(app, ["experiment", str(specs / "depth.toml"), "--out", str(runs / "depth"),
+                                  "--set", f"model.d_ff={wider}", "--device", "cpu"])
+    assert trained.exit_code == 0, trained.output
+    ledger_md = tmp_path / "claims.md"
+    made = runner.invoke(app, ["claims", str(specs), "--runs", str(runs), "--out", str(ledger_md), "--json"])
+    assert made.exit_code == 0, made.output
+    row = json.loads(made.stdout.strip().splitlines()[-1])["rows"][1]
+    assert row["differences"] == [{"key": "model.d_ff", "ran": wider, "recipe": spec_recipe.model.d_ff}]
+    text = ledger_md.read_text()
+    assert f"| 3 | Two layers beat one. | {row['verdict']} (not the recipe's settings) |" in text
+    assert (f"Settings: **not the spec's recipe**: model.d_ff = {wider} (the recipe: {spec_recipe.model.d_ff})"
+            in text)
 
 
 @pytest.mark.parametrize(("change", "words"), [
