@@ -1,5 +1,5 @@
 """`python -m xformer_cli ...`, as torchrun starts each process: the same as `xformer ...`."""
 
-from xformer_cli.main import app
+from xformer_cli.entry import main
 
-app(prog_name="xformer")
+main()

@@ -158,6 +158,31 @@ def test_a_second_signal_goes_to_the_handler_before_the_run(tmp_path):
         signal.signal(signal.SIGTERM, previous)
 
 
+def test_ctrl_c_while_the_command_loads_exits_130_without_a_traceback():
+    """The interrupt is delivered inside the import of the CLI (torch and the rest), where it
+    lands when a user presses Ctrl-C in the first seconds."""
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, signal, sys, time
+
+        class Interrupt:  # an import hook: the signal arrives while xformer_cli.main loads
+            def find_spec(self, name, path=None, target=None):
+                if name == "xformer_cli.main":
+                    os.kill(os.getpid(), signal.SIGINT)
+                    time.sleep(30)
+                return None
+
+        sys.meta_path.insert(0, Interrupt())
+        sys.argv = ["xformer", "--version"]
+        from xformer_cli.entry import main
+        main()
+    """)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
+
+
 def test_out_of_memory_says_what_to_set_and_leaves_the_last_checkpoint(corpus, tmp_path, monkeypatch):
     """An allocation that fails mid-run (raised here where CUDA would raise it, this machine
     having no GPU): one line naming data.max_tokens and the values to try; the last
