@@ -19,7 +19,7 @@ LAYERS = [
      "xformer.engines", "xformer.runcard", "xformer.compiling", "xformer.significance", "xformer.claims",
      "xformer.experiment_report"],
     ["xformer.tasks"],
-    ["xformer.recipe_io", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
+    ["xformer.recipe_io", "xformer.resume", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
      "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers", "xformer.export",
      "xformer.experiment", "xformer.reuse", "xformer.ledger", "xformer.grid"],
     ["xformer"],  # the package's __init__: the library's front door

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from xformer.checkpoint import read_checkpoint
+from xformer.checkpoint import read_checkpoint, read_checkpoint_meta
 from xformer.config import CHANGEABLE, FIXED_ON_RESUME, Change, Recipe
 from xformer.errors import RunError
 from xformer.recipe_io import load_recipe, recipe_at
@@ -91,8 +91,6 @@ def set_aside(point: ResumePoint) -> Path | None:
     """Move a non-finite last out of the way (kept, named by its step); returns where it went."""
     if point.set_aside is None or not point.set_aside.is_file():
         return None
-    from xformer.checkpoint import read_checkpoint_meta
-
     step = read_checkpoint_meta(point.set_aside).get("progress", {}).get("step", 0)
     target = point.set_aside.with_name(f"nonfinite_step_{step:07d}.safetensors")
     os.replace(point.set_aside, target)
