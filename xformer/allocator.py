@@ -19,7 +19,8 @@ The xformer command calls it at start-up; a library user calls it once, before t
 tensor. XFORMER_ALLOCATOR=system leaves glibc as it is (an environment variable, not a recipe
 field: the allocator changes speed, never a result). Where glibc is not the C library, or
 another allocator is preloaded (LD_PRELOAD of tcmalloc or jemalloc), nothing is changed.
-allocator() says what is in effect, for the run card.
+allocator() says what is in effect, for the run card; release() gives the free pages back between
+the runs of a grid.
 """
 
 from __future__ import annotations
@@ -64,6 +65,16 @@ def tune_allocator() -> dict:
         settings[name] = value
     _applied = settings
     return allocator()
+
+
+def release() -> bool:
+    """Return the heap's free pages to the OS (glibc's malloc_trim), where tune_allocator keeps
+    them: between the runs of a grid in one process (experiment, longrange), so one run's freed
+    memory does not stay resident beside the next run's. Returns whether anything was trimmed;
+    a no-op untuned (glibc trims by itself then) and off glibc."""
+    if not allocator()["tuned"]:
+        return False
+    return bool(ctypes.CDLL(None).malloc_trim(0))
 
 
 def allocator() -> dict:

@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable
 from pathlib import Path
 
+from xformer.allocator import release
 from xformer.config import Recipe
 from xformer.errors import RunError
 from xformer.files import atomic_write_text
@@ -43,6 +44,7 @@ def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Cal
     state = run_state(run_dir)
     if state == "trained":
         return
+    release()  # the last run's freed memory, kept resident by the tuned heap, goes back first
 
     def forward(kind, payload):
         if kind in ("tick", "step"):
