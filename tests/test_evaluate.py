@@ -180,5 +180,9 @@ def test_a_score_timed_beside_other_work_says_so(trained, monkeypatch):
             spinner.kill()
             spinner.wait()
     assert crowded.exit_code == 0, crowded.output
-    assert cpuload.busy(json.loads(crowded.stdout)["others_cpu"])
+    printed = json.loads(crowded.stdout)
+    assert cpuload.busy(printed["others_cpu"])
     assert "warning: timed while other processes took" in crowded.stderr
+    # the score's file says so too: it holds exactly what was printed
+    written = sorted((trained / "eval").glob("validation.*.beam4.*.json"), key=lambda p: p.stat().st_mtime)[-1]
+    assert json.loads(written.read_text()) == printed

@@ -36,6 +36,7 @@ import torch
 
 from xformer.checkpoint import load_model_weights, read_checkpoint, read_checkpoint_meta, run_checkpoint
 from xformer.config import DataConfig, Recipe
+from xformer.cpuload import busy
 from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.events import Event
@@ -153,11 +154,12 @@ class Task:
         return (quantize_model(model, quantize, rt.device) if quantize else model), rt
 
     def eval_card(self, run_dir: str | Path, rt: Runtime | None, split: str, data: str | None,
-                  checkpoint: str) -> tuple[dict, list]:
+                  checkpoint: str, others_cpu: float | None = None) -> tuple[dict, list]:
         """The run card of an evaluation of `split` (or of the file or folder `data`) with
         `checkpoint`, and what it warns of: the checkpoint is not the run's final one (still
         training, or stopped part way), the split's files differ from the ones training
-        fingerprinted. card["checkpoint"]: its name, step, tensor sha256 and whether it is final."""
+        fingerprinted, other processes took CPU while it was timed (`others_cpu` cores).
+        card["checkpoint"]: its name, step, tensor sha256 and whether it is final."""
         d = self.recipe.data
         prints = data_fingerprints(data, d.fields()) if data is not None else d.fingerprints()
         mine = next(iter(prints.values()), None) if data is not None else prints.get(split)
@@ -170,6 +172,9 @@ class Task:
             if trained and trained != mine:
                 warnings.append(f"{d.dataset} split '{split}': the files differ from the ones training read "
                                 f"(fingerprint {mine}, training's {trained})")
+        if busy(others_cpu):
+            warnings.append(f"timed while other processes took {others_cpu:.2f} CPU cores: the speed is below what "
+                            "this machine does alone")
         return card, warnings
 
     def evaluate(self, run_dir: Path, request: EvalRequest):

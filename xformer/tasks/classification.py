@@ -185,7 +185,7 @@ class ClassificationTask(Task):
             confusion=(confusion_matrix(predicted, examples.labels, len(self.labels))
                        if len(self.labels) <= CONFUSION_MAX_CLASSES else None))
         result.card, result.warnings = self.eval_card(run_dir, rt, request.split or self.test_split(), request.data,
-                                                    checkpoint)
+                                                    checkpoint, others_cpu)
         atomic_write_text(out_dir / f"{stem}.pred", "".join(self.labels[p] + "\n" for p in predicted))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
         if request.data is None and name == self.test_split() and quantize == (self.recipe.eval.quantize or None):

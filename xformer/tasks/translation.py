@@ -291,7 +291,7 @@ class TranslationTask(Task):
             hypotheses=str(out_dir / f"{stem}.hyp"), quantize=quantize, others_cpu=others_cpu,
             kv_cache_mb=None if request.ctranslate2 else stats.cache_bytes / 2**20,
             engine="ctranslate2" if request.ctranslate2 else None)
-        result.card, result.warnings = self.eval_card(run_dir, rt, split, request.data, checkpoint)
+        result.card, result.warnings = self.eval_card(run_dir, rt, split, request.data, checkpoint, others_cpu)
         result.card["wall_seconds"] = time.perf_counter() - started
         atomic_write_text(out_dir / f"{stem}.hyp", "".join(h + "\n" for h in hyps))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
