@@ -35,11 +35,17 @@ def train(
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out from its last "
                                                           "checkpoint.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory.")] = False,
+    branch_from: Annotated[Path | None, typer.Option(
+        "--branch-from", help="Start --out as this run stood at --at-step (a checkpoint train.branch_every kept), "
+                              "then train on with RECIPE's values: a cooldown from that step, say.")] = None,
+    at_step: Annotated[int | None, typer.Option("--at-step", help="The step of --branch-from to start at.")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Train the recipe's model: tokenizer, training with validation, checkpoints, averaging."""
     if resume and overwrite:
         raise RunError("--resume and --overwrite: choose one (continue the run, or replace it)")
+    if (branch_from is None) != (at_step is None):
+        raise RunError("--branch-from and --at-step go together: the run and the step to start from")
     sets, flags = list(overrides), {}
     for key, value in (("precision", precision), ("max_steps", max_steps), ("max_time", max_time)):
         if value is not None:
@@ -53,7 +59,8 @@ def train(
     rank = int(os.environ.get("RANK", "0"))  # under torchrun, process 0 alone draws and prints
     with flags_named("device"), TrainDisplay() as display:
         result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
-                     on_event=display if rank == 0 else None, recipe_path=recipe)
+                     on_event=display if rank == 0 else None, recipe_path=recipe, branch_from=branch_from,
+                     at_step=at_step)
     if rank != 0:
         return
     best = result.best or {}

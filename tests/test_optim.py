@@ -163,3 +163,56 @@ def test_optimizer_step_is_adam_written_out(optimizer, fast_paths):
                        decoupled=optimizer == "adamw")
     for got, ref in zip(params, want, strict=True):
         torch.testing.assert_close(got.detach().double(), ref, atol=1e-6, rtol=1e-5)
+
+
+def naive_wsd(step: int, lr: float, warmup: int, start: int, end: int, floor: float, shape: str) -> float:
+    """Hagele et al.'s schedule written out: warm up, hold, then cool down to the floor."""
+    if step <= warmup:
+        return lr * step / warmup
+    if step <= start:
+        return lr
+    x = (step - start) / (end - start + 1)
+    return floor + (lr - floor) * (1 - (x ** 0.5 if shape == "1-sqrt" else x))
+
+
+@pytest.mark.parametrize("shape", ["1-sqrt", "linear"])
+def test_wsd_holds_the_rate_then_cools_down_over_the_last_share_of_a_step_budget(shape):
+    from xformer.optim import wsd_window
+
+    cfg = TrainConfig(lr=1e-3, warmup_steps=100, schedule="wsd", max_steps=1000, decay_fraction=0.2,
+                      min_lr=1e-5, decay_shape=shape)
+    window = wsd_window(cfg, steps_per_epoch=77, step=0, seconds=0.0)
+    assert window == (800, 1000, "max_steps")
+    curve = [learning_rate(s, cfg, window[:2]) for s in range(1, 1001)]
+    assert curve == pytest.approx([naive_wsd(s, 1e-3, 100, 800, 1000, 1e-5, shape) for s in range(1, 1001)])
+    assert curve[799] == 1e-3 and curve[800] < 1e-3 and 1e-5 < curve[-1] < 1e-4
+    assert learning_rate(900, cfg, None) == 1e-3  # no end known yet: the stable rate
+    # a shorter epoch budget is the end; a time budget, from the speed measured
+    assert wsd_window(TrainConfig(schedule="wsd", max_steps=1000, max_epochs=5), 100, 0, 0.0)[1:] == (500, "max_epochs")
+    timed = TrainConfig(schedule="wsd", max_time=10.0, decay_fraction=0.1)
+    assert wsd_window(timed, 100, 50, 60.0) is None  # not measured yet
+    assert wsd_window(timed, 100, 50, 60.0, speed=(10, 20.0)) == (531, 590, "max_time")  # 1 step/s, 540 s left
+
+
+def test_wsd_rules():
+    assert TrainConfig(schedule="wsd", max_steps=10, decay_fraction=0.0).problems() == [
+        "train.decay_fraction: expected a share of the run in (0, 1], found 0.0"]
+    assert TrainConfig(schedule="wsd", max_steps=10, lr=1e-3, min_lr=1e-2).problems() == [
+        "train.min_lr: expected at most train.lr = 0.001, found 0.01"]
+
+
+def test_patience_ends_a_wsd_runs_stable_phase_and_never_cuts_its_cooldown_short():
+    from xformer.distributed import Cluster
+    from xformer.optim import WsdPlan
+    from xformer.runlog import Progress
+    from xformer.train import _stop_reason
+
+    cfg = TrainConfig(schedule="wsd", max_steps=1000, patience=2, decay_fraction=0.2, warmup_steps=10)
+    progress = Progress(step=100, bad_validations=2)
+    assert _stop_reason(cfg, progress, 0.0, 50) == "patience"  # the loop then cools down instead of stopping
+    plan = WsdPlan(cfg, 50, progress, Cluster(), torch.device("cpu"))
+    assert "cooling down to step 125" in plan.cool_down_now()
+    progress.step, progress.bad_validations = 110, 5
+    assert _stop_reason(cfg, progress, 0.0, 50) is None and plan.window(0.0)[0] == (100, 125)
+    progress.step = 125
+    assert _stop_reason(cfg, progress, 0.0, 50) == "patience"

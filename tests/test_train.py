@@ -514,6 +514,89 @@ def test_a_signal_stops_at_a_step_boundary_and_resumes_exactly(corpus, tmp_path,
             assert torch.equal(a[key], b[key]), (name, key)
 
 
+def test_a_wsd_run_resumed_inside_its_cooldown_ends_as_the_uninterrupted_one(corpus, tmp_path):
+    """The cooldown window is frozen in the checkpoint: a run stopped in the middle of it and
+    resumed ends with the uninterrupted run's tensors, its rate the formula's at every step."""
+    import os
+    import signal
+
+    from tests.test_optim import naive_wsd
+
+    extra = ["model.dropout=0.3", "train.max_steps=12", "train.schedule=wsd", "train.warmup_steps=2",
+             "train.decay_fraction=0.5", "train.log_every=1", "train.min_lr=1e-4"]
+    straight = run(tiny_recipe(corpus, *extra), tmp_path / "a", device="cpu")
+
+    def interrupt(kind, payload):
+        if kind in ("tick", "step") and payload["step"] == 8:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    assert run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", on_event=interrupt).steps == 9
+    resumed = run(tiny_recipe(corpus, *extra), tmp_path / "b", device="cpu", resume=True)
+    assert resumed.steps == straight.steps == 12 and resumed.stop_reason == "max_steps"
+    a, _ = read_checkpoint(tmp_path / "a" / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(tmp_path / "b" / "checkpoints" / "last.safetensors")
+    for key in a:
+        assert torch.equal(a[key], b[key]), key
+    rates = [r["lr"] for r in map(json.loads, (tmp_path / "b" / "metrics.jsonl").read_text().splitlines())
+             if r["kind"] == "train"]
+    assert rates == pytest.approx([naive_wsd(s, 3e-3, 2, 6, 12, 1e-4, "1-sqrt") for s in range(1, 13)])
+
+
+def test_a_time_budget_with_wsd_ends_its_cooldown_at_the_deadline(corpus, tmp_path, monkeypatch):
+    """Under train.max_time the trainer estimates the last step from the measured speed and
+    cools down into it: with a clock that runs at a steady pace (injected), the run stops by
+    its time budget within a step or two of both the deadline and its cooldown's planned end,
+    the rate near min_lr."""
+    import itertools
+
+    from xformer import train as trainer
+
+    ticks = itertools.count()
+    monkeypatch.setattr(trainer, "clock", lambda: next(ticks) * 0.25)  # each reading, a quarter second on
+    out = tmp_path / "r"
+    result = run(tiny_recipe(corpus, "train.schedule=wsd", "train.max_time=0.25", "train.warmup_steps=2",
+                             "train.decay_fraction=0.3", "train.log_every=1", "train.valid_every=1000"),
+                 out, device="cpu")
+    records = [r for r in map(json.loads, (out / "metrics.jsonl").read_text().splitlines()) if r["kind"] == "train"]
+    plan = read_checkpoint_meta(out / "checkpoints" / "last.safetensors")["progress"]
+    assert result.stop_reason == "max_time" and plan["decay_limit"] == "max_time", plan
+    assert plan["decay_end"] > plan["decay_start"] > 2
+    pace = records[-1]["seconds"] - records[-2]["seconds"]  # one step's time on this clock
+    assert abs(records[-1]["step"] - plan["decay_end"]) <= 2
+    assert 15 - 2 * pace <= records[-1]["seconds"] <= 15 + pace
+    assert records[-1]["lr"] < 0.35 * 3e-3 and records[plan["decay_start"] - 1]["lr"] == 3e-3
+
+
+def test_a_branch_cooling_down_from_a_step_of_a_stable_run_equals_a_run_planned_to_cool_there(corpus, tmp_path):
+    """One wsd run (16 steps, cooling from step 12) keeps a branch point every 4 steps; a branch
+    from its step 8 with max_steps 11 (a 25% cooldown, from step 8) ends with the tensors of a
+    run trained for 11 steps from scratch, records the change, and names where it came from."""
+    extra = ["model.dropout=0.3", "train.schedule=wsd", "train.warmup_steps=2", "train.decay_fraction=0.25",
+             "train.valid_every=4"]
+    stable = tmp_path / "stable"
+    run(tiny_recipe(corpus, *extra, "train.max_steps=16", "train.branch_every=4"), stable, device="cpu")
+    points = sorted(p.name for p in (stable / "checkpoints").glob("branch_step_*"))
+    assert points == [f"branch_step_{s:07d}.safetensors" for s in (4, 8, 12, 16)]
+    fresh = tmp_path / "fresh"
+    run(tiny_recipe(corpus, *extra, "train.max_steps=11"), fresh, device="cpu")
+    branched = runner.invoke(app, ["train", str(stable / "recipe.toml"), "--out", str(tmp_path / "b"),
+                                   "--branch-from", str(stable), "--at-step", "8", "--max-steps", "11",
+                                   "--set", "train.branch_every=0", "--device", "cpu"])
+    assert branched.exit_code == 0, branched.output
+    a, _ = read_checkpoint(fresh / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(tmp_path / "b" / "checkpoints" / "last.safetensors")
+    for key in a:
+        if key.startswith(("model.", "optim.")):
+            assert torch.equal(a[key], b[key]), key
+    recorded = load_recipe(tmp_path / "b" / "recipe.toml")
+    assert [(c.step, c.set) for c in recorded.changes] == [(8, {"train.max_steps": 11, "train.branch_every": 0})]
+    assert json.loads((tmp_path / "b" / "branched-from.json").read_text())["step"] == 8
+    missing = runner.invoke(app, ["train", str(stable / "recipe.toml"), "--out", str(tmp_path / "c"),
+                                  "--branch-from", str(stable), "--at-step", "6", "--device", "cpu"])
+    assert missing.exit_code == 2 and "no checkpoint with the optimizer's state at step 6" in missing.stderr
+    assert "branch points: 4, 8, 12, 16" in missing.stderr and not (tmp_path / "c").exists()
+
+
 def test_resuming_a_finished_run_is_refused(trained, corpus):
     out, _ = trained
     with pytest.raises(RunError, match="already stopped by train.max_steps; raise that limit"):

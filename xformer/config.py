@@ -44,7 +44,8 @@ TieEmbeddings = Literal["none", "decoder", "all"]
 # "cls", "mean" and "last" for the Transformer classifier; "last", "mean" and "max" for the LSTM
 Pooling = Literal["cls", "mean", "last", "max"]
 Optimizer = Literal["adam", "adamw"]
-Schedule = Literal["inverse_sqrt", "cosine", "linear", "constant"]
+Schedule = Literal["inverse_sqrt", "cosine", "linear", "constant", "wsd"]
+DecayShape = Literal["1-sqrt", "linear"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 CheckpointChoice = Literal["best", "last", "averaged"]
 EvalQuantize = Literal["", "int8"]  # xformer/quantize.py's QUANTIZE, or "" for none
@@ -265,6 +266,14 @@ class TrainConfig:
     weight_decay: float = 0.0
     schedule: Schedule = "inverse_sqrt"
     warmup_steps: int = 4000
+    # wsd (warmup, stable, decay; Hagele et al. 2024, arXiv:2405.18392): the rate stays at lr
+    # until the last decay_fraction of the run, then cools down to min_lr, shaped 1 - sqrt (their
+    # best) or linear. The run's end is the first of max_steps, max_epochs' last step and, under
+    # max_time, the step the trainer expects the time to end at (xformer.optim.WsdPlan); with
+    # train.patience, validation that stops improving starts the cooldown instead of stopping
+    decay_fraction: float = field(default=0.2, metadata=only_when("schedule", "wsd"))
+    min_lr: float = field(default=0.0, metadata=only_when("schedule", "wsd"))
+    decay_shape: DecayShape = field(default="1-sqrt", metadata=only_when("schedule", "wsd"))
     label_smoothing: float = 0.1
     # R-Drop (Liang et al. 2021): each batch runs twice (two dropout masks) and alpha weighs the
     # symmetric KL between the two output distributions; 0 disables it. Costs ~2x per step.
@@ -296,12 +305,16 @@ class TrainConfig:
     # before training; where compiling fails the run goes on without it and says why. Off by
     # default: on the CPUs measured it was slower than eager (docs/results.md).
     compile: bool = False
+    # every this many steps a checkpoint with the optimizer's state is kept as
+    # checkpoints/branch_step_N (never removed): `train --branch-from RUN --at-step N` starts a
+    # new run from there (a wsd run's cooldown, say); 0 keeps none
+    branch_every: int = 0
 
     def problems(self) -> list[str]:
         out = positive(self, "lr", "adam_eps", "accumulate_steps", "valid_every", "log_every")
         out += non_negative(
             self, "weight_decay", "warmup_steps", "clip_norm", "max_nonfinite_steps", "max_steps", "max_epochs",
-            "max_time", "patience", "average_last", "rdrop_alpha", "log_seconds",
+            "max_time", "patience", "average_last", "rdrop_alpha", "log_seconds", "min_lr", "branch_every",
         )
         out += probability(self, "label_smoothing")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -311,6 +324,11 @@ class TrainConfig:
                 "train.max_steps: expected at least one of train.max_steps, train.max_epochs, "
                 "train.max_time to be positive, found all three 0"
             )
+        if self.schedule == "wsd":
+            if not 0 < self.decay_fraction <= 1:
+                out.append(f"train.decay_fraction: expected a share of the run in (0, 1], found {self.decay_fraction}")
+            if self.min_lr > self.lr:
+                out.append(f"train.min_lr: expected at most train.lr = {self.lr}, found {self.min_lr}")
         if self.schedule in ("cosine", "linear") and self.max_steps == 0:
             out.append(f"train.schedule: {self.schedule!r} decays to 0 at train.max_steps, "
                        "which must be positive, found 0")

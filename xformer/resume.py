@@ -11,21 +11,28 @@ and accumulate_steps (the batch plan a checkpoint's position refers to). Its [tr
 values may change: each change is recorded in RUN/recipe.toml as a [[changes]] table with the
 step it took effect at (config.Change), and in train.json, so the recipe in the run folder
 reproduces the run: a new run of it replays every change at its step (train.run).
+
+A branch (`train --branch-from RUN --at-step N`) is a new run folder holding RUN as it stood at
+step N (a full checkpoint of that step: train.branch_every keeps them), resumed with the values
+given: a wsd run's cooldown from any step of its stable phase, say.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 from dataclasses import dataclass, fields
 from pathlib import Path
 
 import torch
 
-from xformer.checkpoint import read_checkpoint, read_checkpoint_meta
+from xformer.checkpoint import read_checkpoint, read_checkpoint_meta, write_tensors
 from xformer.config import CHANGEABLE, FIXED_ON_RESUME, Change, Recipe
 from xformer.errors import RunError
+from xformer.files import atomic_write_text
 from xformer.recipe_io import load_recipe, recipe_at
-from xformer.rundir import check_out_dir, check_tokenizer, clear_run_dir, is_run_dir, mark_run_dir
+from xformer.rundir import BRANCHED, check_out_dir, check_tokenizer, clear_run_dir, is_run_dir, mark_run_dir
 
 
 @dataclass
@@ -160,3 +167,56 @@ def _values(recipe: Recipe) -> dict:
     tables = recipe.to_dict()
     return {f"{s}.{k}": v for s in CHANGEABLE for k, v in tables.get(s, {}).items()
             if f"{s}.{k}" not in FIXED_ON_RESUME}
+
+
+def branch_name(step: int) -> str:
+    return f"branch_step_{step:07d}.safetensors"
+
+
+def branch(source: Path, step: int, out_dir: Path, recipe_path: Path | None = None) -> Path:
+    """Make out_dir (new, or empty) the run `source` as it stood at optimizer step `step`, for
+    --resume to continue: its tokenizer, its recipe as at that step, its metrics up to it, and
+    the full checkpoint of that step as last (with the step checkpoints it averages and its best,
+    where `source` still has them; a best it no longer has is chosen again among the branch's
+    own validations). Returns the checkpoint branched from."""
+    if not is_run_dir(source):
+        raise RunError(f"{source}: not a run directory (no recipe.toml); --branch-from names a trained run")
+    folder = source / "checkpoints"
+    found = None
+    for candidate in (folder / branch_name(step), folder / "last.safetensors", folder / "previous.safetensors"):
+        if candidate.is_file() and read_checkpoint_meta(candidate).get("progress", {}).get("step") == step:
+            found = candidate
+            break
+    if found is None:
+        steps = sorted(int(p.stem.rsplit("_", 1)[1]) for p in folder.glob("branch_step_*.safetensors"))
+        listed = ", ".join(map(str, steps)) or "none (train.branch_every keeps them)"
+        raise RunError(f"{source}: no checkpoint with the optimizer's state at step {step}; branch points: {listed}")
+    tensors, meta = read_checkpoint(found)
+    bad = not_finite(tensors, meta)
+    if bad:
+        raise RunError(f"{found}: {bad}; branch from an earlier step")
+    prepare_run_dir(out_dir, load_recipe(source / "recipe.toml"), resume=False, overwrite=False,
+                    recipe_path=recipe_path)
+    shutil.copytree(source / "tokenizer", out_dir / "tokenizer", dirs_exist_ok=True)
+    atomic_write_text(out_dir / "recipe.toml", recipe_at(load_recipe(source / "recipe.toml"), step).to_toml())
+    metrics = source / "metrics.jsonl"
+    if metrics.is_file():
+        lines = [line for line in metrics.read_text(encoding="utf-8").splitlines()
+                 if line.strip() and json.loads(line).get("step", 0) <= step]
+        atomic_write_text(out_dir / "metrics.jsonl", "".join(line + "\n" for line in lines))
+    progress = dict(meta["progress"])
+    target = out_dir / "checkpoints"
+    target.mkdir(exist_ok=True)
+    progress["kept"] = [name for name in progress.get("kept", []) if (folder / name).is_file()]
+    for name in progress["kept"]:
+        shutil.copyfile(folder / name, target / name)
+    best = folder / "best.safetensors"
+    if progress.get("best") and best.is_file() and read_checkpoint_meta(best).get("step") == progress["best"]["step"]:
+        shutil.copyfile(best, target / "best.safetensors")
+    else:
+        progress["best"], progress["bad_validations"] = None, 0
+    write_tensors(target / "last.safetensors", tensors,
+                  {k: v for k, v in {**meta, "progress": progress}.items() if k != "format"})
+    atomic_write_text(out_dir / BRANCHED, json.dumps({"source": str(source), "step": step, "checkpoint": found.name},
+                                                    indent=2) + "\n")
+    return found

@@ -25,8 +25,9 @@ from xformer.errors import RunError
 from xformer.locks import LOCK
 
 MARKER = "xformer-run.json"
+BRANCHED = "branched-from.json"  # where `train --branch-from` took the run from, and at which step
 ARTEFACTS = ("recipe.toml", "tokenizer", "metrics.jsonl", "checkpoints", "train.json", "eval", "eval.json", MARKER,
-             "copied-from.json")  # the last: where `experiment --reuse` copied the run from
+             "copied-from.json", BRANCHED)  # copied-from: where `experiment --reuse` copied the run from
 
 
 def is_run_dir(path: Path) -> bool:

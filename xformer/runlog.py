@@ -41,6 +41,10 @@ class Progress:
     kept: list[str] = field(default_factory=list)  # step checkpoints, oldest first
     history: list[dict] = field(default_factory=list)
     log_line: dict = field(default_factory=dict)  # the sums of the log line still open (LogLine.state)
+    # a wsd run's cooldown, frozen when it starts (steps; 0: not started) and the limit it ends by
+    decay_start: int = 0
+    decay_end: int = 0
+    decay_limit: str = ""
 
 
 class LogLine:

@@ -2,14 +2,17 @@
 
 A run directory holds everything needed to evaluate or resume:
 
-    RUN/recipe.toml                  the resolved recipe (after --set and CLI overrides)
+    RUN/recipe.toml                  the resolved recipe (after --set and CLI overrides), with the
+                                     [[changes]] a --resume made (xformer.resume)
     RUN/tokenizer/                   sentencepiece model(s), trained here when absent
     RUN/metrics.jsonl                one JSON object per log line and per validation
     RUN/checkpoints/last.safetensors model + optimizer + RNG + progress: --resume starts here
     RUN/checkpoints/previous.safetensors the `last` before it, for --resume when last is damaged
+                                     or not finite
     RUN/checkpoints/best.safetensors the best model by validation (train.best_metric)
     RUN/checkpoints/step_N.safetensors the last train.average_last validation checkpoints
     RUN/checkpoints/averaged.safetensors their average, written when training ends
+    RUN/checkpoints/branch_step_N.safetensors full states kept every train.branch_every steps
     RUN/train.json                   the TrainResult summary
 
 The loop reports progress through `on_event(kind, payload)` (kinds: "setup", "start",
@@ -47,14 +50,17 @@ from xformer.instrument import PeakMemory, allocator_peak
 from xformer.locks import FolderLock, check_free
 from xformer.model.dropout import use_fast_dropout
 from xformer.model.flex import unavailable as flex_unavailable
-from xformer.optim import build_optimizer, learning_rate
+from xformer.optim import WsdPlan, build_optimizer, learning_rate
 from xformer.recipe_io import load_run_recipe, recipe_at
-from xformer.resume import has_checkpoint, prepare_run_dir, resume_point, resumed_recipe, set_aside
+from xformer.resume import branch, branch_name, has_checkpoint, prepare_run_dir, resume_point, resumed_recipe, set_aside
 from xformer.runcard import run_card
 from xformer.rundir import finished_at, remove_temporaries, tokenizer_digest
 from xformer.runlog import LogLine, Progress, StopSignals, append_jsonl, truncate_metrics
 from xformer.runtime import Runtime, resolve_runtime
 from xformer.tasks import make_task
+
+clock = time.perf_counter  # the run's time budget is read from it (tests pass their own)
+PLANNED = {"schedule", "max_steps", "max_epochs", "max_time", "decay_fraction", "patience"}  # a change: plan anew
 
 
 @dataclass
@@ -92,16 +98,28 @@ class TrainResult:
 def run(
     recipe: Recipe, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
     overwrite: bool = False, on_event: Event | None = None, recipe_path: str | Path | None = None,
-    measure_memory: bool = False,
+    measure_memory: bool = False, branch_from: str | Path | None = None, at_step: int | None = None,
 ) -> TrainResult:
     """Train the recipe's model into `out_dir`; see the module docstring for what is written.
     `recipe_path` is the file the recipe was read from: never written to, and never inside a
     run directory that `overwrite` would clear. `measure_memory`: on the CPU, sample the
     resident set in a thread (instrument.PeakMemory) for TrainResult.peak_memory_mb; without
     it the CPU figure is 0 and CUDA's comes from the allocator's own peak counter.
+    `branch_from` / `at_step`: out_dir starts as that run stood at that step (resume.branch),
+    and trains on with this recipe's values, recorded as a change at that step.
 
     Started by torchrun (WORLD_SIZE > 1), every process calls this; see xformer.distributed."""
     cluster = cluster_from_env(device, recipe.train.accumulate_steps)
+    if branch_from is not None:  # a new run folder: `branch_from` at step `at_step`, then resumed
+        if resume or overwrite or at_step is None:
+            raise RunError("--branch-from starts a new run from a step of another: give --at-step, and neither "
+                           "--resume nor --overwrite")
+        if cluster.writer:
+            with FolderLock(Path(out_dir), "train"):
+                found = branch(Path(branch_from), at_step, Path(out_dir), Path(recipe_path) if recipe_path else None)
+            (on_event or ignore)("setup", {"message": f"branched from {found} (step {at_step})"})
+        cluster.barrier()
+        resume = True
     try:
         with contextlib.ExitStack() as hold:  # the run folder's lock, once _run takes it
             result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
@@ -133,7 +151,7 @@ def run(
 
 def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
          emit: Event, recipe_path: str | Path | None, measure_memory: bool, hold: contextlib.ExitStack) -> TrainResult:
-    started = time.perf_counter()
+    started = clock()
     locked = bool(hold._exit_callbacks)  # a later part of the same run (a change replayed) holds it already
     if cluster.writer and not locked:
         check_free(out_dir)  # another writer first: it explains any other refusal below
@@ -229,9 +247,19 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
 
     seconds_before = progress.seconds  # from earlier sessions of a resumed run
     change_at = whole.next_change(progress.step)  # a recorded change, replayed: this part ends there
+    taking_effect = [k.split(".")[1] for c in whole.changes if point and c.step == point.step for k in c.set]
+    if PLANNED.intersection(taking_effect):  # a change (made now, or replayed) to what a wsd cooldown is planned from
+        progress.decay_start, progress.decay_end, progress.decay_limit = 0, 0, ""
+    plan = WsdPlan(cfg, -(-len(batches) // cfg.accumulate_steps), progress, cluster, rt.device)
+
+    def cooldown() -> tuple[int, int] | None:
+        window, began = plan.window(elapsed())
+        if began:
+            emit("setup", {"message": began})
+        return window
 
     def elapsed() -> float:
-        return seconds_before + time.perf_counter() - started
+        return seconds_before + clock() - started
 
     def fraction_done() -> float:
         parts = [0.0]
@@ -243,7 +271,8 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
             parts.append(elapsed() / (cfg.max_time * 60))
         return min(1.0, max(parts))
 
-    def checkpoint(stop_reason: str | None, now: float) -> None:
+    def checkpoint(stop_reason: str | None, now: float, branch: bool = False) -> None:
+        """The full state into last, or with `branch` into checkpoints/branch_step_N (kept)."""
         if not cluster.writer:
             return
         progress.seconds = elapsed()
@@ -255,6 +284,10 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         # Inside a run of non-finite steps, `previous` keeps the last checkpoint from before it:
         # the one --resume goes back to if the NaN guard stops the run (xformer.resume)
         streak = float(line.skipped_run) > 0
+        if branch:
+            save_checkpoint(last.with_name(branch_name(progress.step)), model, meta={**meta, **extra_meta},
+                            optimizer=optimizer, extra_tensors=tensors)
+            return
         rotate = not (streak and streaks[-1])
         save_checkpoint(last, model, meta={**meta, **extra_meta}, optimizer=optimizer, extra_tensors=tensors,
                         previous=last.with_name("previous.safetensors") if rotate else None)
@@ -275,7 +308,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                     break
                 t1 = time.perf_counter()
                 progress.step += 1
-                lr = learning_rate(progress.step, cfg)
+                lr = learning_rate(progress.step, cfg, cooldown())
                 for g in optimizer.param_groups:
                     g["lr"] = lr
                 n_units = sum(task.units(b) for b in group)  # what the loss is averaged over, all processes
@@ -300,6 +333,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                 t2 = time.perf_counter()
                 progress.data_seconds += t1 - t0
                 progress.compute_seconds += t2 - t1
+                plan.measure(elapsed())
                 # the last steps of a run that ends here get their line too
                 logged = line.due(progress.step, cfg.log_every, cfg.log_seconds, t2) or stop_reason not in (
                     None, "interrupted")
@@ -340,11 +374,16 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                         if not interrupted:  # patience, time: process 0's word
                             reason = _stop_reason(cfg, progress, elapsed(), len(batches))
                             stop_reason, _ = cluster.agree(reason, False, torch.zeros((), device=rt.device))
+                            if stop_reason == "patience" and cfg.schedule == "wsd":  # it ends the stable phase
+                                emit("setup", {"message": plan.cool_down_now()})
+                                stop_reason = None
                     checkpoint(stop_reason, boundary)
                     line.pause(time.perf_counter() - boundary)  # validation is not training time
                     model.train()
                 elif interrupted:
                     checkpoint(stop_reason, boundary)
+                if cfg.branch_every and progress.step % cfg.branch_every == 0:  # a point to branch from
+                    checkpoint(stop_reason, boundary, branch=True)
                 if stop_reason:
                     break
             if stop_reason is None:
@@ -366,7 +405,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         tokens=progress.tokens, device=str(rt.device), precision=rt.precision, precision_reason=rt.reason,
         parameters=parameters,
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
-        card={**card, "wall_seconds": time.perf_counter() - started, "processes": cluster.world},
+        card={**card, "wall_seconds": clock() - started, "processes": cluster.world},
         stop_signal=signals.name, changes=whole.to_dict().get("changes", []),
         # under torch.distributed the other processes are this run's own: not measured
         others_cpu=progress.others_cpu_seconds / progress.seconds
@@ -381,14 +420,16 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
 
 def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int) -> str | None:
     """The limit that has been reached, if any (checked after every step and on resume)."""
+    if cfg.schedule == "wsd" and progress.decay_end and progress.step >= progress.decay_end:
+        return progress.decay_limit  # the cooldown planned for that limit is over
     if cfg.max_steps and progress.step >= cfg.max_steps:
         return "max_steps"
     if cfg.max_time and seconds >= cfg.max_time * 60:
         return "max_time"
     if cfg.max_epochs and progress.epoch + progress.batch_in_epoch / batches_per_epoch >= cfg.max_epochs:
         return "max_epochs"
-    if cfg.patience and progress.bad_validations >= cfg.patience:
-        return "patience"
+    if cfg.patience and progress.bad_validations >= cfg.patience and not (cfg.schedule == "wsd" and progress.decay_end):
+        return "patience"  # with wsd: the stable phase's end (the loop starts the cooldown), never a cooldown's
     return None
 
 
