@@ -64,6 +64,11 @@ def spun(meter_seconds: float = 2.0) -> float:
 def test_a_competing_process_is_counted(every_core_mine):
     # one spinning core, less what the clock ticks lose, above whatever else this machine runs
     tried = against_background(spun, lambda crowded, before, after: crowded > max(before, after) + 0.5)
+    cores = len(cpuload._allowed_cpus())
+    if all(min(before, after) > cores - 0.5 for before, _, after in tried):
+        # other work already took every core before and after: one more process only shares
+        # them, so no meter could see it (the suite ran beside a benchmark, say)
+        pytest.skip(f"other processes took all {cores} cores throughout: {tried}")
     before, crowded, after = tried[-1]
     assert crowded > max(before, after) + 0.5, tried
     assert busy(crowded)
