@@ -127,7 +127,7 @@ def run(
             while result.stop_reason == "change":  # a recorded change is due: continue as --resume did
                 result = _run(load_run_recipe(out_dir), Path(out_dir), cluster, device=device, resume=True,
                               overwrite=False, emit=on_event or ignore, recipe_path=None,
-                              measure_memory=measure_memory, hold=hold)
+                              measure_memory=measure_memory, hold=hold, locked=True)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -150,9 +150,11 @@ def run(
 
 
 def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
-         emit: Event, recipe_path: str | Path | None, measure_memory: bool, hold: contextlib.ExitStack) -> TrainResult:
+         emit: Event, recipe_path: str | Path | None, measure_memory: bool, hold: contextlib.ExitStack,
+         locked: bool = False) -> TrainResult:
+    """One part of a run: all of it, or up to a recorded change (run() goes on from there with
+    `locked`: the run folder's lock, in `hold`, is already this process's)."""
     started = clock()
-    locked = bool(hold._exit_callbacks)  # a later part of the same run (a change replayed) holds it already
     if cluster.writer and not locked:
         check_free(out_dir)  # another writer first: it explains any other refusal below
     recipe_path = Path(recipe_path) if recipe_path is not None else None
