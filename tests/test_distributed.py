@@ -96,3 +96,19 @@ def test_a_step_that_cannot_be_shared_is_refused_with_one_line(corpus, tmp_path)
     ours = err.split("torch/distributed/elastic")[0]  # what follows is torchrun's own report
     assert "Traceback" not in ours
     assert not (tmp_path / "r").exists()
+
+
+def test_a_time_budgeted_wsd_run_under_torchrun_plans_its_cooldown_once_for_every_process(corpus, tmp_path):
+    """Under a time budget the cooldown is planned from process 0's clock and shared, every step
+    until it begins, so the processes take the same rates and the run ends on one step: the job
+    finishes, stopped by its planned time, the window frozen in the checkpoint."""
+    out = tmp_path / "wsd"
+    job = torchrun(command(corpus, out, "train.accumulate_steps=2", "train.schedule=wsd", "train.max_time=0.15",
+                           "train.decay_fraction=0.5", "train.valid_every=1000"))
+    _, err = job.communicate(timeout=300)
+    assert job.returncode == 0, err
+    summary = json.loads((out / "train.json").read_text())
+    progress = read_checkpoint(out / "checkpoints" / "last.safetensors")[1]["progress"]
+    assert summary["stop_reason"] == "max_time" and summary["card"]["processes"] == 2
+    if progress["decay_end"]:  # the cooldown began before the deadline: it was planned for it
+        assert progress["decay_limit"] == "max_time" and progress["decay_start"] < progress["decay_end"]
