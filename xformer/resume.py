@@ -41,7 +41,7 @@ class ResumePoint:
     tensors: dict
     meta: dict
     why: str | None  # why not checkpoints/last, when it is previous
-    set_aside: Path | None = None  # a non-finite last, to move out of the way before training
+    set_aside: Path | None = None  # where a non-finite last goes before training (nonfinite_step_N)
 
     @property
     def step(self) -> int:
@@ -72,36 +72,36 @@ def resume_point(out_dir: Path) -> ResumePoint:
     last, previous = folder / "last.safetensors", folder / "previous.safetensors"
     if not last.is_file() and not previous.is_file():
         raise RunError(f"{out_dir}: nothing to resume (no checkpoints/last.safetensors)")
-    bad_last = None
+    again = "train the run again (--overwrite) with a lower train.lr or train.clip_norm = 1.0"
+    aside = None  # where a non-finite last goes, named by its step
     try:
         tensors, meta = read_checkpoint(last)
-        why = not_finite(tensors, meta)
-        if not why:
-            return ResumePoint(last, tensors, meta, None)
-        why, bad_last = f"{last}: {why}", last
-        if not previous.is_file():
-            raise RunError(f"{why}, and there is no checkpoints/previous.safetensors to go back to: train the run "
-                           "again (--overwrite) with a lower train.lr or train.clip_norm = 1.0")
-    except RunError as error:
+    except RunError as error:  # missing, unreadable or damaged: previous, if there is one
         if not previous.is_file():
             raise
-        why = why if bad_last else str(error)
+        why = str(error)
+    else:
+        bad = not_finite(tensors, meta)
+        if not bad:
+            return ResumePoint(last, tensors, meta, None)
+        why = f"{last}: {bad}"
+        if not previous.is_file():
+            raise RunError(f"{why}, and there is no checkpoints/previous.safetensors to go back to: {again}")
+        aside = last.with_name(f"nonfinite_step_{meta['progress']['step']:07d}.safetensors")
     tensors, meta = read_checkpoint(previous)
     worse = not_finite(tensors, meta)
     if worse:
-        raise RunError(f"{why}, and {previous} too ({worse}): no finite checkpoint to resume from; train the run "
-                       "again (--overwrite) with a lower train.lr or train.clip_norm = 1.0")
-    return ResumePoint(previous, tensors, meta, why, set_aside=bad_last)
+        raise RunError(f"{why}, and {previous} too ({worse}): no finite checkpoint to resume from; {again}")
+    return ResumePoint(previous, tensors, meta, why, set_aside=aside)
 
 
 def set_aside(point: ResumePoint) -> Path | None:
-    """Move a non-finite last out of the way (kept, named by its step); returns where it went."""
-    if point.set_aside is None or not point.set_aside.is_file():
+    """Move a non-finite last to point.set_aside (kept); returns where it went."""
+    last = point.path.with_name("last.safetensors")
+    if point.set_aside is None or not last.is_file():
         return None
-    step = read_checkpoint_meta(point.set_aside).get("progress", {}).get("step", 0)
-    target = point.set_aside.with_name(f"nonfinite_step_{step:07d}.safetensors")
-    os.replace(point.set_aside, target)
-    return target
+    os.replace(last, point.set_aside)
+    return point.set_aside
 
 
 def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: bool,
