@@ -18,7 +18,9 @@ from xformer.bench import (
     bench_train,
 )
 from xformer.files import atomic_write_text
+from xformer.locks import FolderLock
 from xformer.peers import PEERS, bench_peers
+from xformer.quality import LENPENS, SYSTEMS, QualityBench, QualityConfig, bench_quality
 from xformer.results import Result
 from xformer_cli.common import (
     Backend,
@@ -27,11 +29,13 @@ from xformer_cli.common import (
     JsonOption,
     Pattern,
     Precision,
+    SetOption,
     choices,
     console,
     stdout,
     user_errors,
 )
+from xformer_cli.display import GridBar
 
 OutOption = Annotated[Path | None, typer.Option("--out", help="Also write the JSON here.")]
 
@@ -258,3 +262,76 @@ def peers(
     for peer, error in result.errors.items():
         table.caption = (table.caption or "") + f"{peer} failed: {error}\n"
     stdout.print(table)
+
+
+System = choices("System", SYSTEMS)
+
+
+@bench_app.command("quality", cls=Command)
+@user_errors
+def quality(
+    recipe: Annotated[Path, typer.Argument(help="The recipe both systems train, e.g. "
+                                                "recipes/translation/multi30k_de_en.toml.")],
+    out: Annotated[Path, typer.Option("--out", help="Folder of the runs and quality.json; run again to go on "
+                                                    "where it stopped.")],
+    minutes: Annotated[float, typer.Option("--minutes", min=0.01, help="Wall-clock budget of each run, "
+                                                                       "data and tokenizer included.")] = 50.0,
+    seeds: Annotated[list[int], typer.Option("--seed", help="Seeds (repeatable) [default: 1 2 3].")
+                     ] = [],  # noqa: B006
+    systems: Annotated[list[System], typer.Option("--system", help="Systems (repeatable) [default: all].")
+                       ] = [],  # noqa: B006
+    lenpens: Annotated[list[float], typer.Option("--lenpen", help="Length penalties chosen among on validation "
+                                                                  "(repeatable) [default: 1.0 1.6 2.2].")
+                       ] = [],  # noqa: B006
+    overrides: SetOption = [],  # noqa: B006
+    device: DeviceOption = "auto",
+    as_json: JsonOption = False,
+) -> None:
+    """Translation quality of xformer against HF MarianMTModel of the recipe's size trained from
+    scratch on the same corpus, tokenizer, batches and wall-clock budget: each run in its own
+    process, the checkpoint and length penalty chosen on validation, test scored once, paired
+    bootstrap seed by seed."""
+    config = QualityConfig(recipe=str(recipe), sets=list(overrides), systems=[s.value for s in systems] or
+                           list(SYSTEMS), seeds=seeds or [1, 2, 3], minutes=minutes,
+                           lenpens=lenpens or list(LENPENS), device=device)
+    with FolderLock(out, "bench quality"), GridBar("quality", console) as bar:
+        def on_event(kind: str, p: dict) -> None:
+            if kind == "plan":
+                bar.plan(p["runs"], p["done"], out)
+            elif kind == "training":
+                bar.start(p["name"], False)
+            elif kind == "tick":
+                bar.advance(p["fraction"])
+            elif kind == "trained":
+                bar.end(f"{p['system']} seed {p['seed']}: {p['steps']:,} steps ({p['epochs']:.1f} epochs, "
+                        f"{p['precision']}), test BLEU {p['test_bleu']:.2f} (lenpen {p['lenpen']:g})")
+
+        result = bench_quality(config, out, on_event=on_event)
+    atomic_write_text(out / "quality.json", result.to_json())
+    if as_json:
+        typer.echo(result.to_json(indent=None))
+        return
+    stdout.print(quality_table(result))
+
+
+def quality_table(result: QualityBench) -> Table:
+    minutes = result.config["minutes"]
+    precisions = ", ".join(sorted({f"{r['system']} {r['precision']}" for r in result.runs}))
+    table = Table(title=f"{minutes:g} minutes a run ({precisions})", header_style="bold")
+    for column in ("system", "seed", "steps", "epochs", "best", "valid", "lenpen", "beam", "test", "chrF"):
+        table.add_column(column, justify="left" if column == "system" else "right")
+    for r in result.runs:
+        chosen = r["valid_beam_bleu"][f"{r['lenpen']:g}"]
+        table.add_row(r["system"], str(r["seed"]), f"{r['steps']:,}", f"{r['epochs']:.1f}", f"{r['best_step']:,}",
+                      f"{r['valid_bleu']:.2f}", f"{r['lenpen']:g}", f"{chosen:.2f}", f"{r['test_bleu']:.2f}",
+                      f"{r['test_chrf']:.2f}")
+    lines = ["best: the step chosen by greedy validation BLEU (valid); lenpen chosen by beam validation BLEU "
+             "(beam); test: cased sacreBLEU, scored once"]
+    for system, m in result.means.items():
+        spread = f" (sd {m['spread']:.2f})" if m["spread"] is not None else ""
+        lines.append(f"{system}: mean test BLEU {m['test_bleu']:.2f} over {m['seeds']} seed(s){spread}")
+    for peer, tests in result.paired.items():
+        shown = ", ".join(f"seed {t['seed']} {t['difference']:+.2f} (p {t['p_value']:.3f})" for t in tests)
+        lines.append(f"xformer vs {peer}: {shown}")
+    table.caption = "\n".join(lines)
+    return table

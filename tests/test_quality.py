@@ -1,0 +1,131 @@
+"""bench quality: HF Marian of the recipe's size trained on the same task and budget as xformer,
+selected and scored by the same protocol."""
+
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from tests.extras import need
+from xformer.model import build_model
+from xformer.quality import PEER, _wsd_plan, marian_model, score_marian, train_marian
+from xformer.recipe_io import load_recipe
+from xformer_cli.main import app
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "translation" / "multi30k_de_en.toml"
+TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
+        "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=512", "train.valid_every=4",
+        "eval.beam=2", "eval.batch_sentences=16"]
+
+
+def tiny(corpus, *extra):
+    return [*TINY, f"data.dataset={json.dumps(str(corpus))}", *extra]
+
+
+def test_the_peer_has_exactly_the_flagships_trainable_parameters():
+    need("transformers")
+    recipe = load_recipe(RECIPE)
+    ours = build_model(recipe.model, 8000)
+    peer = marian_model(recipe, 8000)
+    count = [sum(p.numel() for p in m.parameters() if p.requires_grad) for m in (ours, peer)]
+    assert count[0] == count[1] == 7_577_600  # shared and tied embeddings, sinusoidal positions in both
+    config = peer.config
+    assert (config.d_model, config.encoder_layers, config.decoder_layers, config.encoder_ffn_dim,
+            config.encoder_attention_heads, config.activation_function, config.dropout) == (256, 3, 3, 1024, 4,
+                                                                                         "relu", 0.1)
+
+
+def test_hf_wsd_plan_spends_the_time_left_at_the_measured_pace():
+    """Steps left = time left / (median step + a validation's share); 20% of all steps cool down;
+    the warmup keeps its 1,000 steps where they fit and shrinks where the budget is short."""
+    need("transformers")
+    from torch import nn, optim
+    from transformers import get_wsd_schedule
+
+    plan = _wsd_plan(150, 3000.0, [1.0, 1.0, 5.0], [30.0, 30.0], 150)
+    per_step = 1.0 + 30.0 / 150  # the median ignores the slow first step
+    assert plan["total"] == 150 + int(3000.0 / per_step) == 2650
+    assert plan["decay"] == round(0.2 * 2650) and plan["warmup"] == PEER["warmup_steps"]
+    assert plan["warmup"] + plan["stable"] + plan["decay"] == plan["total"]
+    short = _wsd_plan(150, 600.0, [1.0], [30.0], 150)
+    assert short["total"] == 150 + int(600 / 1.2) and short["warmup"] == short["total"] - short["decay"]
+    # HF's own schedule on this plan: the peak through the stable phase, min_lr (0) at the planned end
+    opt = optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0)
+    schedule = get_wsd_schedule(opt, plan["warmup"], plan["decay"], num_stable_steps=plan["stable"],
+                                decay_type="1-sqrt")
+    rates = [schedule.get_last_lr()[0]]
+    for _ in range(plan["total"]):
+        opt.step()
+        schedule.step()
+        rates.append(schedule.get_last_lr()[0])
+    assert rates[plan["warmup"]] == 1.0 == rates[plan["total"] - plan["decay"]]
+    assert rates[plan["total"]] == 0.0 and rates[plan["total"] - 1] > 0
+
+
+def test_the_peer_trains_within_its_budget_and_keeps_its_best_validation_checkpoint(corpus, tmp_path):
+    """With an injected clock (one second a reading) the run ends at the first step past the
+    budget, validates every valid_every steps and at its end, keeps the weights of its best greedy
+    validation BLEU, and its WSD plan, made at the first validation, ends where the budget does."""
+    need("transformers")
+    recipe = load_recipe(RECIPE, tiny(corpus))
+    ticks = itertools.count()
+    record = train_marian(recipe, tmp_path / "peer", schedule="wsd", minutes=0.5, device="cpu",
+                          clock=lambda: float(next(ticks)))
+    valid = [json.loads(line) for line in (tmp_path / "peer" / "metrics.jsonl").read_text().splitlines()]
+    steps = record["steps"]
+    assert record["train_seconds"] >= 30 and steps < 30  # every step reads the clock at least once
+    assert [v["step"] for v in valid] == sorted({*range(4, steps + 1, 4), steps})
+    best = max(valid, key=lambda v: v["bleu"])
+    assert record["best"]["step"] == best["step"] and record["best"]["bleu"] == best["bleu"]
+    assert record["plan"]["at_step"] == 4 and record["plan"]["warmup"] >= 4
+    # the estimate, from readings of this same clock: whole steps, and the run ends on the first past the deadline
+    assert abs(record["plan"]["total"] - steps) <= 2
+    assert valid[-1]["lr"] < valid[0]["lr"] or record["plan"]["total"] < steps  # cooled down by the end
+    assert record["precision"] in ("fp32", "bf16") and record["epochs"] > 0
+    scored = score_marian(recipe, tmp_path / "peer", "validation", lenpen=1.0, device="cpu")
+    assert len(scored["hypotheses"]) == len(scored["references"]) == 40
+    assert scored["bleu"] >= 0 and (tmp_path / "peer" / "tokenizer").is_dir()
+
+
+def test_bench_quality_refuses_bad_input_before_it_trains(corpus, tmp_path):
+    runner = CliRunner()
+    unknown = runner.invoke(app, ["bench", "quality", str(RECIPE), "--out", str(tmp_path / "q"), "--system", "fairseq"])
+    assert unknown.exit_code == 2 and "'fairseq' is not one of" in unknown.output
+    bad = runner.invoke(app, ["bench", "quality", str(RECIPE), "--out", str(tmp_path / "q"),
+                              "--set", "train.lr=fast"])
+    assert bad.exit_code == 2 and "train.lr" in bad.output and not (tmp_path / "q" / "xformer-seed1").exists()
+    half = tmp_path / "half" / "xformer-seed1"
+    half.mkdir(parents=True)
+    stopped = runner.invoke(app, ["bench", "quality", str(RECIPE), "--out", str(tmp_path / "half"), "--seed", "1",
+                                  "--set", f"data.dataset={json.dumps(str(corpus))}"])
+    assert stopped.exit_code == 2 and "stopped before its end" in stopped.output
+    assert half.is_dir()  # never removed for the user
+
+
+@pytest.mark.slow
+def test_bench_quality_trains_both_scores_test_once_and_resumes(corpus, tmp_path):
+    """Through the CLI, one seed, a few seconds a run: every system trains in its own process,
+    the length penalty is the best on validation, xformer is tested against each peer on the
+    same test set, and a second call trains nothing again."""
+    need("transformers")
+    runner = CliRunner()
+    command = ["bench", "quality", str(RECIPE), "--out", str(tmp_path / "q"), "--minutes", "0.1", "--seed", "1",
+               "--lenpen", "1.0", "--lenpen", "2.0", "--device", "cpu",
+               *itertools.chain.from_iterable(("--set", s) for s in tiny(corpus, "train.warmup_steps=10"))]
+    first = runner.invoke(app, [*command, "--json"])
+    assert first.exit_code == 0, first.output
+    report = json.loads(first.stdout)
+    assert [(r["system"], r["seed"]) for r in report["runs"]] == [("xformer", 1), ("marian", 1), ("marian_wsd", 1)]
+    for run in report["runs"]:
+        assert run["lenpen"] in (1.0, 2.0)
+        assert run["valid_beam_bleu"][f"{run['lenpen']:g}"] == max(run["valid_beam_bleu"].values())
+        hyps = (tmp_path / "q" / run["hypotheses"]).read_text().splitlines()
+        assert len(hyps) == 40
+    trained = json.loads((tmp_path / "q" / "xformer-seed1" / "train.json").read_text())
+    assert trained["stop_reason"] == "max_time"
+    assert set(report["paired"]) == {"marian", "marian_wsd"} and report["paired"]["marian"][0]["seed"] == 1
+    again = runner.invoke(app, command)  # the table this time
+    assert again.exit_code == 0 and "3 runs, 3 done already" in again.output

@@ -1,0 +1,376 @@
+"""Translation quality against HF Marian at the same time budget (`xformer bench peers --quality`).
+
+Each system trains a recipe (the flagship by default) for `minutes` of wall time in a process of
+its own, one after the other, seed after seed:
+
+    xformer     `xformer train` of the recipe as it stands
+    marian      HF transformers' MarianMTModel of the recipe's size from a MarianConfig (nothing
+                downloaded), trained as the HF peer was run: AdamW lr 7e-4, betas (0.9, 0.98),
+                weight decay 1e-4, 1,000 warmup steps then inverse square root
+                (get_inverse_sqrt_schedule), clip 1.0, label smoothing 0.1, ReLU, dropout 0.1
+    marian_wsd  the same with HF's own get_wsd_schedule: warmup, constant, then a 1-sqrt cooldown
+                over the last 20% of the steps it estimates the budget holds (estimated at its
+                first validation, when a step and a validation have both been timed)
+
+Fair both ways, by construction rather than by care:
+- the same corpus, sentencepiece settings and batches: the peer is fed by the recipe's own task
+  (the token buckets of data.max_tokens, the same order for the same seed);
+- the same budget accounting: each process's clock starts before the corpus is loaded, so
+  loading, tokenizer training and validation are inside the minutes for both;
+- the same threads, allocator (inherited from this process) and precision (the recipe's
+  train.precision, resolved by the same rule: bf16 autocast where "auto" picks it);
+- the same selection: validated every train.valid_every steps and at the end, the best
+  checkpoint by cased greedy sacreBLEU on validation; then one length penalty chosen on
+  validation from the same grid for both, beam eval.beam; test scored once, with that checkpoint
+  and penalty. Paired bootstrap (sacreBLEU) of xformer against each peer, seed by seed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from safetensors.torch import load_model, save_model
+
+from xformer.data.corpus import load_split
+from xformer.errors import RunError, XformerError
+from xformer.evaluate import evaluate_run
+from xformer.events import Event, ignore
+from xformer.files import atomic_write_text
+from xformer.metrics import translation_scores
+from xformer.recipe_io import load_recipe
+from xformer.results import Result
+from xformer.runlog import append_jsonl
+from xformer.runtime import resolve_runtime
+from xformer.significance import paired_bleu
+from xformer.tasks import make_task
+from xformer.train import run
+
+SYSTEMS = ("xformer", "marian", "marian_wsd")
+PAD, BOS, EOS = 0, 2, 3
+# The HF peer as it was run (the schedule aside, which SYSTEMS names)
+PEER = {"lr": 7e-4, "betas": (0.9, 0.98), "weight_decay": 1e-4, "warmup_steps": 1000, "clip_norm": 1.0,
+        "label_smoothing": 0.1, "activation": "relu", "dropout": 0.1, "wsd_decay_fraction": 0.2}
+LENPENS = (1.0, 1.6, 2.2)
+
+
+@dataclass
+class QualityConfig:
+    recipe: str  # the recipe file both systems train (their size, corpus, tokenizer, budget accounting)
+    sets: list[str] = field(default_factory=list)  # --set overrides of the recipe, for both
+    systems: list[str] = field(default_factory=lambda: list(SYSTEMS))
+    seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
+    minutes: float = 50.0
+    lenpens: list[float] = field(default_factory=lambda: list(LENPENS))
+    device: str = "auto"
+
+
+@dataclass
+class QualityBench(Result):
+    """Per run (system x seed): what it trained and scored; per peer: xformer's paired tests."""
+
+    config: dict
+    runs: list[dict]  # {"system", "seed", "steps", "epochs", "train_seconds", "precision", "best_step",
+    #                    "valid_bleu" (greedy, the best checkpoint), "lenpen", "valid_beam_bleu", "test_bleu",
+    #                    "test_chrf", "hypotheses"}
+    means: dict  # system -> {"test_bleu", "spread"} over seeds
+    paired: dict  # peer -> [paired_bleu of xformer against it, one per seed]
+
+
+# ---------------------------------------------------------------------------- the HF peer
+def marian_model(recipe, vocab_size: int):
+    """MarianMTModel of the recipe's size: tied and shared embeddings, sinusoidal positions."""
+    from transformers import MarianConfig, MarianMTModel
+
+    m = recipe.model
+    config = MarianConfig(vocab_size=vocab_size, d_model=m.d_model, encoder_layers=m.n_encoder_layers,
+                          decoder_layers=m.n_decoder_layers, encoder_attention_heads=m.n_heads,
+                          decoder_attention_heads=m.n_heads, encoder_ffn_dim=m.d_ff, decoder_ffn_dim=m.d_ff,
+                          max_position_embeddings=m.max_positions, dropout=PEER["dropout"], attention_dropout=0.0,
+                          activation_dropout=0.0, activation_function=PEER["activation"], pad_token_id=PAD,
+                          eos_token_id=EOS, bos_token_id=BOS, decoder_start_token_id=BOS, forced_eos_token_id=None,
+                          scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True)
+    return MarianMTModel(config)
+
+
+def marian_translate(model, sources: list[list[int]], rt, *, beam: int, lenpen: float, max_len_a: float,
+                     max_len_b: int, batch: int) -> list[list[int]]:
+    """generate() over token-id sources (no EOS), longest first in batches of `batch`; at most
+    max_len_a * S + max_len_b new tokens a batch, as xformer's decoder allows; ids in input order."""
+    order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
+    out: list[list[int]] = [[] for _ in sources]
+    model.eval()
+    with torch.inference_mode(), rt.autocast():
+        for start in range(0, len(order), batch):
+            idx = order[start:start + batch]
+            width = max(1, max(len(sources[i]) for i in idx)) + 1
+            src = torch.full((len(idx), width), PAD, dtype=torch.long)
+            for row, i in enumerate(idx):
+                src[row, :len(sources[i]) + 1] = torch.tensor([*sources[i], EOS])
+            src = src.to(rt.device)
+            searched = {"length_penalty": lenpen, "early_stopping": True} if beam > 1 else {}
+            made = model.generate(input_ids=src, attention_mask=src.ne(PAD), num_beams=beam, do_sample=False,
+                                  max_new_tokens=int(max_len_a * width + max_len_b), suppress_tokens=[PAD, BOS],
+                                  **searched)
+            for i, row in zip(idx, made.tolist(), strict=True):
+                ids = row[1:]
+                out[i] = ids[:ids.index(EOS)] if EOS in ids else ids
+    return out
+
+
+def train_marian(recipe, out_dir: Path, *, schedule: str = "inverse_sqrt", minutes: float, device: str = "auto",
+                 emit: Event = ignore, clock: Callable[[], float] = time.perf_counter) -> dict:
+    """Train the HF peer on the recipe's task for `minutes` (clock from before the corpus is
+    loaded), validating as xformer does; writes out_dir/best.safetensors (the weights with the
+    best greedy validation BLEU), metrics.jsonl and train.json; returns train.json's record."""
+    from transformers import get_inverse_sqrt_schedule, get_wsd_schedule
+
+    started = clock()
+    budget = minutes * 60
+    cfg = recipe.train
+    rt = resolve_runtime(device, cfg.precision)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task = make_task(recipe)
+    task.load(emit)
+    task.prepare(out_dir, emit)
+    torch.manual_seed(cfg.seed)
+    model = marian_model(recipe, task.model_sizes()["vocab_size"]).to(rt.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=PEER["lr"], betas=PEER["betas"], weight_decay=PEER["weight_decay"])
+    warmup = PEER["warmup_steps"]
+    scheduler = get_inverse_sqrt_schedule(optimizer, warmup)  # marian_wsd: the same warmup until it plans
+    sources = list(task.valid_data["src_ids"])
+    step, epoch, best, plan = 0, 0, None, None
+    step_seconds, valid_seconds = [], []
+
+    def validate() -> dict:
+        model.eval()
+        total, tokens = 0.0, 0
+        with torch.inference_mode(), rt.autocast():
+            for b in task.valid_batches.iter_epoch(0):
+                src, tgt_in, tgt_out = (b[k].to(rt.device) for k in ("src", "tgt_in", "tgt_out"))
+                logits = model(input_ids=src, attention_mask=src.ne(PAD), decoder_input_ids=tgt_in).logits
+                total += F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD,
+                                         reduction="sum").item()
+                tokens += int(tgt_out.ne(PAD).sum())
+        e = recipe.eval
+        ids = marian_translate(model, sources, rt, beam=1, lenpen=1.0, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
+                               batch=e.batch_sentences)
+        scores = translation_scores(task.tokenizer.decode(ids, "target"), task.refs)
+        model.train()
+        return {"loss": total / tokens, "bleu": scores["bleu"], "chrf": scores["chrf"]}
+
+    model.train()
+    done = False
+    mark = clock()  # a step's time runs from the end of what came before it: its batch is inside
+    while not done:
+        for batch in task.train_batches.iter_epoch(epoch):
+            src, tgt_in, tgt_out = (batch[k].to(rt.device) for k in ("src", "tgt_in", "tgt_out"))
+            with rt.autocast():
+                logits = model(input_ids=src, attention_mask=src.ne(PAD), decoder_input_ids=tgt_in).logits
+            loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD,
+                                   label_smoothing=PEER["label_smoothing"])
+            rt.backward(loss)
+            rt.step(optimizer, model, PEER["clip_norm"])
+            optimizer.zero_grad(set_to_none=True)
+            scheduler.step()
+            step += 1
+            now = clock()
+            step_seconds.append(now - mark)
+            mark = now
+            done = now - started >= budget
+            emit("tick", {"step": step, "fraction": min(1.0, (now - started) / budget)})
+            if step % cfg.valid_every and not done:
+                continue
+            scores = validate()
+            record = {"kind": "valid", "step": step, "epoch": epoch + 1, **scores, "lr": scheduler.get_last_lr()[0],
+                      "seconds": clock() - started}
+            if best is None or scores["bleu"] > best["bleu"]:
+                best = {"step": step, **scores}
+                save_model(model, str(out_dir / "best.safetensors"))  # tied weights stored once
+            append_jsonl(out_dir / "metrics.jsonl", record)
+            emit("valid", record)
+            mark = clock()
+            valid_seconds.append(mark - now)  # all that a validation step costs over a training step
+            if schedule == "wsd" and plan is None and not done:  # HF's WSD needs its steps up front
+                plan = _wsd_plan(step, budget - (mark - started), step_seconds, valid_seconds, cfg.valid_every)
+                scheduler = get_wsd_schedule(optimizer, plan["warmup"], plan["decay"],
+                                             num_stable_steps=plan["stable"], decay_type="1-sqrt")
+                for _ in range(step):
+                    scheduler.step()
+            if done:
+                break
+        epoch += 1
+    per_epoch = len(task.train_batches)
+    record = {"system": "marian_wsd" if schedule == "wsd" else "marian", "steps": step, "epochs": step / per_epoch,
+              "train_seconds": clock() - started, "precision": rt.precision, "best": best, "plan": plan,
+              "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())}
+    atomic_write_text(out_dir / "train.json", json.dumps(record, indent=2))
+    return record
+
+
+def _wsd_plan(step: int, seconds_left: float, step_seconds: list[float], valid_seconds: list[float],
+              valid_every: int) -> dict:
+    """HF's WSD steps for a time budget: the steps left at the median step time plus a
+    validation every `valid_every` steps; warmup capped so the cooldown keeps its share."""
+    per_step = statistics.median(step_seconds) + statistics.mean(valid_seconds) / valid_every
+    total = step + max(0, int(seconds_left / per_step))
+    decay = max(1, round(PEER["wsd_decay_fraction"] * total))
+    warmup = max(step, min(PEER["warmup_steps"], total - decay))
+    return {"at_step": step, "total": total, "warmup": warmup, "stable": max(0, total - decay - warmup),
+            "decay": decay}
+
+
+def score_marian(recipe, out_dir: Path, split: str, *, lenpen: float, device: str = "auto") -> dict:
+    """The peer's best checkpoint on `split` with beam eval.beam: cased BLEU, chrF, hypotheses."""
+    rt = resolve_runtime(device, recipe.train.precision, training=False)
+    task = make_task(recipe)
+    task.load_vocabulary(out_dir)
+    d, e = recipe.data, recipe.eval
+    rows = load_split(d.dataset, split, [d.source_lang, d.target_lang], d.dataset_config or None, complete=True)
+    model = marian_model(recipe, task.tokenizer.vocab_size("source"))
+    load_model(model, str(out_dir / "best.safetensors"))
+    model.to(rt.device)
+    ids = marian_translate(model, task.tokenizer.encode(list(rows[d.source_lang]), "source"), rt, beam=e.beam,
+                           lenpen=lenpen, max_len_a=e.max_len_a, max_len_b=e.max_len_b, batch=e.batch_sentences)
+    hyps = task.tokenizer.decode(ids, "target")
+    return {**translation_scores(hyps, list(rows[d.target_lang])), "hypotheses": hyps,
+            "references": list(rows[d.target_lang])}
+
+
+# ---------------------------------------------------------------------------- the benchmark
+def bench_quality(config: QualityConfig, out_dir: str | Path, *, on_event: Event | None = None) -> QualityBench:
+    """Train every system for every seed (each in its own process, in turn), choose the length
+    penalty on validation, score test once, and test xformer against each peer, seed by seed.
+    Events: "plan" {"runs"}, "training" {"name"}, "tick" {"fraction"}, "trained" {run}. A run
+    whose folder already holds its result is not trained again (the benchmark resumes)."""
+    emit = on_event or ignore
+    out_dir = Path(out_dir)
+    unknown = [s for s in config.systems if s not in SYSTEMS]
+    if unknown:
+        raise XformerError(f"system {unknown[0]}: expected one of {', '.join(SYSTEMS)}")
+    load_recipe(config.recipe, config.sets)  # a bad recipe or --set fails before an hour of training
+    out_dir.mkdir(parents=True, exist_ok=True)
+    names = [f"{system}-seed{seed}" for seed in config.seeds for system in config.systems]
+    emit("plan", {"runs": len(names), "done": sum((out_dir / n / "quality.json").is_file() for n in names)})
+    runs = []
+    for seed in config.seeds:
+        recipe = load_recipe(config.recipe, [*config.sets, f"train.seed={seed}", f"train.max_time={config.minutes}"])
+        for system in config.systems:
+            folder = out_dir / f"{system}-seed{seed}"
+            emit("training", {"name": folder.name})
+            if not (folder / "quality.json").is_file():
+                if not (folder / "train.json").is_file():  # train.json is written last, by both
+                    if folder.exists():
+                        raise RunError(f"{folder}: a run that stopped before its end (no train.json); move it "
+                                       "away to train it again")
+                    _train_in_process(system, config, seed, folder, emit)
+                _select_and_score(system, recipe, folder, config)
+            run = json.loads((folder / "quality.json").read_text())
+            runs.append(run)
+            emit("trained", run)
+    means = {}
+    for system in config.systems:
+        scores = [r["test_bleu"] for r in runs if r["system"] == system]
+        means[system] = {"test_bleu": statistics.mean(scores),
+                         "spread": statistics.stdev(scores) if len(scores) > 1 else None, "seeds": len(scores)}
+    paired = {}
+    if "xformer" in config.systems:
+        for peer in (s for s in config.systems if s != "xformer"):
+            paired[peer] = []
+            for seed in config.seeds:
+                ours, theirs = (_recorded(out_dir, s, seed, "hypotheses") for s in ("xformer", peer))
+                refs = _recorded(out_dir, "xformer", seed, "references")
+                paired[peer].append({"seed": seed, **paired_bleu(ours, theirs, refs)})
+    slim = [{k: v for k, v in r.items() if k != "references"} for r in runs]
+    return QualityBench(config=vars(config), runs=slim, means=means, paired=paired)
+
+
+def _lines(path: Path) -> list[str]:
+    return path.read_text(encoding="utf-8").split("\n")[:-1]
+
+
+def _recorded(out_dir: Path, system: str, seed: int, what: str) -> list[str]:
+    """The lines of a scored run's test hypotheses or references (quality.json names the file)."""
+    record = json.loads((out_dir / f"{system}-seed{seed}" / "quality.json").read_text())
+    return _lines(out_dir / record[what])
+
+
+def _train_in_process(system: str, config: QualityConfig, seed: int, folder: Path, emit: Event) -> None:
+    """`python -m xformer.quality SYSTEM ...` in a fresh interpreter (its own threads, allocator
+    state, clock), ticking the bar by the time it has had; its stderr's last line on failure."""
+    command = [sys.executable, "-m", "xformer.quality", system, json.dumps(
+        {"recipe": str(config.recipe), "sets": config.sets, "seed": seed, "minutes": config.minutes,
+         "device": config.device, "out": str(folder)})]
+    log = folder.with_name(folder.name + ".log")
+    began = time.perf_counter()
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=os.environ.copy())
+        while True:
+            try:
+                process.wait(timeout=1.0)
+                break
+            except subprocess.TimeoutExpired:
+                emit("tick", {"fraction": min(1.0, (time.perf_counter() - began) / (config.minutes * 60))})
+    if process.returncode != 0:
+        lines = [x for x in log.read_text().splitlines() if x.strip()]
+        raise RunError(f"{system} (seed {seed}) stopped: {lines[-1] if lines else process.returncode}; see {log}")
+
+
+def _select_and_score(system: str, recipe, folder: Path, config: QualityConfig) -> None:
+    """Length penalty chosen on validation (beam eval.beam, the best checkpoint), then test once;
+    writes folder/quality.json, folder/test.hyp and folder/test.ref."""
+    valid, test = recipe.data.valid_split, recipe.data.test_split
+    if system == "xformer":
+        def score(split, lenpen):
+            result = evaluate_run(folder, split=split, lenpen=lenpen, checkpoint="best", device=config.device)
+            return {"bleu": result.bleu, "chrf": result.chrf, "hypotheses": _lines(Path(result.hypotheses))}
+    else:
+        def score(split, lenpen):
+            return score_marian(recipe, folder, split, lenpen=lenpen, device=config.device)
+    trained = json.loads((folder / "train.json").read_text())
+    steps, seconds, best = trained["steps"], trained["train_seconds"], trained["best"]
+    epochs, precision = trained["epochs"], trained["precision"]
+    on_valid = {lenpen: score(valid, lenpen)["bleu"] for lenpen in config.lenpens}
+    lenpen = max(on_valid, key=lambda k: (on_valid[k], -abs(k - 1.0)))  # a tie goes to the plainer penalty
+    tested = score(test, lenpen)
+    refs = list(load_refs(recipe, test))
+    atomic_write_text(folder / "test.hyp", "".join(h + "\n" for h in tested["hypotheses"]))
+    atomic_write_text(folder / "test.ref", "".join(r + "\n" for r in refs))
+    record = {"system": system, "seed": recipe.train.seed, "steps": steps, "epochs": epochs,
+              "train_seconds": seconds, "precision": precision, "best_step": best["step"],
+              "valid_bleu": best.get("bleu"), "valid_beam_bleu": {f"{k:g}": v for k, v in on_valid.items()},
+              "lenpen": lenpen,
+              "test_bleu": tested["bleu"], "test_chrf": tested["chrf"],
+              "hypotheses": f"{folder.name}/test.hyp", "references": f"{folder.name}/test.ref"}
+    atomic_write_text(folder / "quality.json", json.dumps(record, indent=2))
+
+
+def load_refs(recipe, split: str) -> list[str]:
+    d = recipe.data
+    rows = load_split(d.dataset, split, [d.source_lang, d.target_lang], d.dataset_config or None, complete=True)
+    return list(rows[d.target_lang])
+
+
+def _main(system: str, fields: dict) -> None:
+    recipe = load_recipe(fields["recipe"], [*fields["sets"], f"train.seed={fields['seed']}",
+                                            f"train.max_time={fields['minutes']}"])
+    out = Path(fields["out"])
+    if system == "xformer":
+        run(recipe, out, device=fields["device"], recipe_path=fields["recipe"])
+        return
+    train_marian(recipe, out, schedule="wsd" if system == "marian_wsd" else "inverse_sqrt",
+                 minutes=fields["minutes"], device=fields["device"])
+
+
+if __name__ == "__main__":  # python -m xformer.quality SYSTEM FIELDS_JSON
+    _main(sys.argv[1], json.loads(sys.argv[2]))
