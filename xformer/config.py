@@ -46,6 +46,7 @@ Pooling = Literal["cls", "mean", "last", "max"]
 Optimizer = Literal["adam", "adamw"]
 Schedule = Literal["inverse_sqrt", "cosine", "linear", "constant", "wsd"]
 DecayShape = Literal["1-sqrt", "linear"]
+Regularisation = Literal["recipe", "budget"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 CheckpointChoice = Literal["best", "last", "averaged"]
 EvalQuantize = Literal["", "int8"]  # xformer/quantize.py's QUANTIZE, or "" for none
@@ -275,6 +276,11 @@ class TrainConfig:
     min_lr: float = field(default=0.0, metadata=only_when("schedule", "wsd"))
     decay_shape: DecayShape = field(default="1-sqrt", metadata=only_when("schedule", "wsd"))
     label_smoothing: float = 0.1
+    # recipe: model.dropout, train.label_smoothing and data.sampling_alpha as written; budget:
+    # chosen from the epochs the run will train (a step budget's, or a time budget's from a
+    # short calibration inside it), written into the run's recipe.toml and explained in
+    # train.json (xformer.budget)
+    regularisation: Regularisation = "recipe"
     # R-Drop (Liang et al. 2021): each batch runs twice (two dropout masks) and alpha weighs the
     # symmetric KL between the two output distributions; 0 disables it. Costs ~2x per step.
     rdrop_alpha: float = 0.0

@@ -368,6 +368,9 @@ def _main(system: str, fields: dict) -> None:
     if system == "xformer":
         run(recipe, out, device=fields["device"], recipe_path=fields["recipe"])
         return
+    if getattr(recipe.data, "sampling_alpha", 0.0):  # the HF peer as it was run: one segmentation
+        recipe = load_recipe(fields["recipe"], [*fields["sets"], f"train.seed={fields['seed']}",
+                                                f"train.max_time={fields['minutes']}", "data.sampling_alpha=0.0"])
     train_marian(recipe, out, schedule="wsd" if system == "marian_wsd" else "inverse_sqrt",
                  minutes=fields["minutes"], device=fields["device"])
 

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from xformer.budget import keep_fitted
 from xformer.checkpoint import read_checkpoint, read_checkpoint_meta, write_tensors
 from xformer.config import CHANGEABLE, FIXED_ON_RESUME, Change, Recipe
 from xformer.errors import RunError
@@ -130,6 +131,8 @@ def resumed_recipe(out_dir: Path, given: Recipe, point: ResumePoint) -> tuple[Re
     saved = out_dir / "recipe.toml"
     check_tokenizer(out_dir, point.path, point.meta)
     old = load_recipe(saved)
+    if given.train.regularisation == "budget" == old.train.regularisation:  # the run's own choice stands
+        given = keep_fitted(given, old)
     for section in ("model", "data", "distill"):
         before, now = old.to_dict().get(section, {}), given.to_dict().get(section, {})
         if before != now:  # another task has other [data] fields: compare over both

@@ -45,6 +45,7 @@ class Progress:
     decay_start: int = 0
     decay_end: int = 0
     decay_limit: str = ""
+    regularisation: dict | None = None  # what train.regularisation = "budget" chose, and why (xformer.budget)
 
 
 class LogLine:

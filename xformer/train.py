@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from xformer import cpuload
+from xformer.budget import fit_run
 from xformer.checkpoint import (
     average_checkpoints,
     load_model_weights,
@@ -87,6 +88,7 @@ class TrainResult:
     stop_signal: str = ""  # the signal that interrupted it, e.g. "SIGTERM"
     # mean CPU cores other processes took while it trained (xformer.cpuload); None: not measurable
     others_cpu: float | None = None
+    regularisation: dict | None = None  # train.regularisation = "budget": what it chose and why (xformer.budget)
 
     @property
     def loop_overhead(self) -> float:
@@ -198,6 +200,11 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
     cluster.barrier()
     if not cluster.writer:
         task.prepare(out_dir, ignore)
+    fitted = None
+    if cfg.regularisation == "budget" and not resumable:  # chosen once; a resumed run has its recipe.toml's
+        left = cfg.max_time * 60 - (clock() - started) if cfg.max_time else 0.0
+        recipe, whole, fitted = fit_run(recipe, whole, task, rt, cluster, left, out_dir, clock, emit)
+        card = run_card(whole, rt, recipe.data.fingerprints())
     batches = task.train_batches
     stamp = {"recipe": whole.to_dict(), "tokenizer": tokenizer_digest(out_dir)}  # in every checkpoint
     model = use_fast_dropout(task.build_model(), cfg.fast_paths).to(rt.device)
@@ -206,7 +213,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
     if cfg.compile:  # tried on the first batch, forward and backward, before training starts
         first = next(iter(batches.iter_epoch(0)))
         trained = compiled_forward(model, lambda forward: rt.backward(task.loss(forward, first, rt)), rt, emit)
-    progress, stop_reason = Progress(), None
+    progress, stop_reason = Progress(regularisation=fitted), None
     last = out_dir / "checkpoints" / "last.safetensors"
     if resumable:
         tensors, meta = point.tensors, point.meta
@@ -408,7 +415,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         parameters=parameters,
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
         card={**card, "wall_seconds": clock() - started, "processes": cluster.world},
-        stop_signal=signals.name, changes=whole.to_dict().get("changes", []),
+        stop_signal=signals.name, changes=whole.to_dict().get("changes", []), regularisation=progress.regularisation,
         # under torch.distributed the other processes are this run's own: not measured
         others_cpu=progress.others_cpu_seconds / progress.seconds
         if others.available and progress.seconds >= cpuload.MIN_SECONDS and cluster.world == 1 else None,
