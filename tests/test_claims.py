@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.test_experiment import recall_spec
-from xformer.claims import Check, describe, judge, verdict
+from xformer.claims import Check, convergence, describe, half_width, judge, verdict
 from xformer.ledger import ledger_problems, read_spec
 from xformer_cli.main import app
 
@@ -27,75 +27,85 @@ def results(tests: dict[str, list[float]], p: dict[str, list[float]], baseline: 
              for c in tests]
     runs = [{"cell": c, "seed": s, "test": t} for c, scores in tests.items()
             for s, t in zip(seeds, scores, strict=True)]
-    return {"baseline": baseline, "seeds": seeds, "cells": cells, "runs": runs}
+    return {"baseline": baseline, "seeds": seeds, "cells": cells, "runs": runs, "metric": "bleu"}
 
 
-BASE = [10.0, 12.0]  # mean 11: 1% is 0.11, 15% is 1.65
+BASE = [10.0, 11.0, 12.0]  # mean 11: 1% is 0.11, 5% is 0.55, 15% is 1.65; t(2 df) = 4.303
 
 
-@pytest.mark.parametrize(("scores", "p", "check", "expected"), [
-    # better: both seeds up, both significant, mean +1 >= 5% of 11 (0.55)
-    ([11.0, 13.0], [0.01, 0.02], Check("x", "better", percent=5), "supported"),
-    # ... but one seed not significant: not shown
-    ([11.0, 13.0], [0.01, 0.20], Check("x", "better", percent=5), "inconclusive"),
-    # ... both up and significant, but the claimed 15% (1.65) is above every seed's +1.0, and
-    # the mean's standard error is 0 (both +1): short of the claim
-    ([11.0, 13.0], [0.01, 0.02], Check("x", "better", percent=15), "contradicted"),
-    # ... the other way in both seeds, significantly
-    ([9.0, 11.5], [0.01, 0.04], Check("x", "better"), "contradicted"),
-    # ... the seeds disagree
-    ([10.5, 11.0], [0.03, 0.03], Check("x", "better"), "inconclusive"),
-    # better by 0.5 to 1% (0.055 to 0.11): +1 in both seeds is far more than claimed
-    ([11.0, 13.0], [0.01, 0.02], Check("x", "better", percent=0.5, up_to=1), "contradicted"),
-    # ... by 5 to 10% (0.55 to 1.1): +1 is inside
-    ([11.0, 13.0], [0.01, 0.02], Check("x", "better", percent=5, up_to=10), "supported"),
-    # ... +0.5 and +1.5 (mean 1.0 inside, one seed beyond): inside on average
-    ([10.5, 13.5], [0.01, 0.02], Check("x", "better", points=0.5, up_to=1.2), "supported"),
-    # worse by at least 1 point: -1.5 and -2.0
-    ([8.5, 10.0], [0.001, 0.001], Check("x", "worse", points=1), "supported"),
-    # not_better: level once, up once but not significantly (mean above zero)
-    ([10.0, 13.0], [0.50, 0.30], Check("x", "not_better"), "inconclusive"),
-    ([9.0, 11.9], [0.01, 0.60], Check("x", "not_better"), "supported"),
-    ([11.0, 13.0], [0.01, 0.01], Check("x", "not_better"), "contradicted"),
-    # not_worse by 10% (1.1): -1.0 and -0.5 pass; -1.5 and -2 fail significantly
-    ([9.0, 11.5], [0.01, 0.30], Check("x", "not_worse", percent=10), "supported"),
-    ([8.5, 10.0], [0.01, 0.01], Check("x", "not_worse", percent=10), "contradicted"),
-    ([8.5, 12.0], [0.01, 1.00], Check("x", "not_worse", percent=10), "inconclusive"),
+@pytest.mark.parametrize(("scores", "check", "expected"), [
+    # better: +1.0, +1.1, +0.9: mean +1.0, interval [+0.75, +1.25] excludes 0 and the mean >= 5% (0.55)
+    ([11.0, 12.1, 12.9], Check("x", "better", percent=5), "supported"),
+    # ... +1.0, -0.5, +1.5: the interval [-1.92, +3.25] holds 0
+    ([11.0, 10.5, 13.5], Check("x", "better", percent=5), "inconclusive"),
+    # ... the claimed 15% (1.65) is above the whole interval
+    ([11.0, 12.1, 12.9], Check("x", "better", percent=15), "contradicted"),
+    # ... -1.0, -1.2, -0.8: the whole interval below 0
+    ([9.0, 9.8, 11.2], Check("x", "better"), "contradicted"),
+    # better by 0.5 to 1% (0.055 to 0.11): the whole interval beyond the claimed gap
+    ([11.0, 12.1, 12.9], Check("x", "better", percent=0.5, up_to=1), "contradicted"),
+    # ... by 5 to 10% (0.55 to 1.1): the mean, +1.0, is inside
+    ([11.0, 12.1, 12.9], Check("x", "better", percent=5, up_to=10), "supported"),
+    # worse by at least 1 point: -1.5, -2.0, -1.8, interval [-2.39, -1.14]
+    ([8.5, 9.0, 10.2], Check("x", "worse", points=1), "supported"),
+    # not_better: 0, +3, -1: better on average, the interval holds 0
+    ([10.0, 14.0, 11.0], Check("x", "not_better"), "inconclusive"),
+    ([9.0, 11.9, 11.5], Check("x", "not_better"), "supported"),
+    ([11.0, 12.1, 12.9], Check("x", "not_better"), "contradicted"),
+    # not_worse by 10% (1.1): -0.5, -0.4, -0.6 pass; -2.0, -2.1, -1.9 fail; -1.5, 0, -0.5 cannot tell
+    ([9.5, 10.6, 11.4], Check("x", "not_worse", percent=10), "supported"),
+    ([8.0, 8.9, 10.1], Check("x", "not_worse", percent=10), "contradicted"),
+    ([8.5, 11.0, 11.5], Check("x", "not_worse", percent=10), "inconclusive"),
     # same within 0.3 points
-    ([10.2, 11.8], [0.4, 0.5], Check("x", "same", points=0.3), "supported"),
-    ([11.0, 13.0], [0.01, 0.01], Check("x", "same", points=0.3), "contradicted"),
-    ([11.0, 13.0], [0.01, 0.40], Check("x", "same", points=0.3), "inconclusive"),
+    ([10.05, 10.95, 12.0], Check("x", "same", points=0.3), "supported"),
+    ([11.0, 12.1, 12.9], Check("x", "same", points=0.3), "contradicted"),
+    ([10.2, 10.7, 12.4], Check("x", "same", points=0.3), "inconclusive"),
 ])
-def test_a_check_is_judged_on_every_seed_and_its_paired_test(scores, p, check, expected):
-    outcome = judge(check, results({"base": BASE, "x": scores}, {"x": p}))
-    assert outcome.verdict == expected, outcome.reason
-    assert "x - base per seed" in outcome.reason
+def test_a_check_is_judged_on_the_seed_paired_mean_and_its_t_interval(scores, check, expected):
+    """Each seed's paired p-value is shown, never decided on: the same scores with other
+    p-values give the same verdict."""
+    for p in ([0.01, 0.02, 0.03], [0.9, 0.8, 0.7]):
+        outcome = judge(check, results({"base": BASE, "x": scores}, {"x": p}))
+        assert outcome.verdict == expected, outcome.reason
+        assert "x - base per seed" in outcome.reason and "95% t-interval" in outcome.reason
+        assert f"paired bootstrap p per seed {p[0]:.3f}" in outcome.reason
+
+
+def test_the_interval_is_students_t_and_says_the_smallest_detectable_difference():
+    diffs = [1.0, 1.1, 0.9]
+    assert half_width(diffs) == pytest.approx(4.303 * 0.1 / 3 ** 0.5)  # t(0.975, 2 df) * sd / sqrt(n)
+    assert half_width([0.5, 1.5]) == pytest.approx(12.706 * (0.5 ** 0.5) / 2 ** 0.5)
+    assert half_width([1.0]) == float("inf")
+    assert half_width([float(i % 2) for i in range(40)]) == pytest.approx(1.96 * 0.50637 / 40 ** 0.5, rel=1e-3)
+    outcome = judge(Check("x", "better"), results({"base": BASE, "x": [11.0, 12.1, 12.9]}, {"x": [0.01] * 3}))
+    assert "interval [+0.75, +1.25] over 3 seeds (the smallest difference they can detect: 0.25)" in outcome.reason
 
 
 def test_a_supported_gap_is_reported_as_measured_beside_the_claim_even_from_a_zero_baseline():
-    outcome = judge(Check("x", "better", percent=5), results({"base": BASE, "x": [11.0, 13.0]}, {"x": [0.01, 0.02]}))
-    assert "by 9.1% on average (claimed 5%)" in outcome.reason  # +1 over a mean of 11
+    data = results({"base": BASE, "x": [11.0, 12.1, 12.9]}, {"x": [0.01] * 3})
+    outcome = judge(Check("x", "better", percent=5), data)
+    assert "the mean 9.1% (claimed 5%)" in outcome.reason  # +1 over a mean of 11
     # a baseline that learned nothing (0 in every seed): a percent of it claims nothing more than "better"
-    zero = judge(Check("x", "better", percent=5), results({"base": [0.0, 0.0], "x": [3.0, 4.0]}, {"x": [0.01, 0.01]}))
-    assert zero.verdict == "supported" and zero.reason.endswith("better in every seed")
+    zero = judge(Check("x", "better", percent=5), results({"base": [0.0] * 3, "x": [3.0, 4.0, 3.5]}, {"x": [0.01] * 3}))
+    assert zero.verdict == "supported" and zero.reason.endswith("better: the interval excludes 0")
 
 
-def test_a_check_between_two_cells_that_are_not_the_baseline_has_no_paired_test():
-    data = results({"base": BASE, "a": [11.0, 13.0], "b": [12.0, 14.0]}, {"a": [0.01, 0.01], "b": [0.01, 0.01]})
+def test_a_check_between_two_cells_that_are_not_the_baseline_shows_no_paired_test():
+    data = results({"base": BASE, "a": [11.0, 12.0, 13.0], "b": [12.0, 13.0, 14.0]}, {"a": [0.01] * 3, "b": [0.01] * 3})
     outcome = judge(Check("b", "better", than="a"), data)
-    assert outcome.verdict == "supported" and "no paired test" in outcome.reason
+    assert outcome.verdict == "supported" and "p per seed" not in outcome.reason
     assert "+1.00 (+8.3%)" in outcome.reason  # b - a in seed 1, relative to a's mean of 12
 
 
-def test_a_speed_check_compares_the_timed_speeds_without_a_significance_test():
-    # the test scores would say "worse"; the check reads decode speeds: 3.0x and 3.5x the baseline's
-    data = results({"base": BASE, "fast": [9.0, 11.0]}, {"fast": [0.01, 0.01]})
-    for run, speed in zip(data["runs"], [10.0, 20.0, 30.0, 70.0], strict=True):
+def test_a_speed_check_compares_the_timed_speeds_by_the_same_rule():
+    # the test scores would say "worse"; the check reads decode speeds: about 3x the baseline's
+    data = results({"base": BASE, "fast": [9.0, 10.0, 11.0]}, {"fast": [0.01] * 3})
+    for run, speed in zip(data["runs"], [10.0, 20.0, 15.0, 40.0, 52.0, 46.0], strict=True):
         run["decode_per_s"] = speed
     outcome = judge(Check("fast", "better", percent=200, up_to=400, metric="decode_speed"), data)
     assert outcome.verdict == "supported", outcome.reason
-    assert "decode_per_s per seed: +20.00 (+133.3%), +50.00 (+333.3%)" in outcome.reason  # of the mean, 15
-    assert "timed; no significance test" in outcome.reason
+    assert "decode_per_s per seed: +30.00 (+200.0%), +32.00 (+213.3%), +31.00 (+206.7%)" in outcome.reason
+    assert "p per seed" not in outcome.reason  # timed: no paired test on the test set
     assert judge(Check("fast", "better", percent=500, metric="decode_speed"), data).verdict == "contradicted"
     untimed = judge(Check("fast", "better", metric="train_speed"), data)
     assert untimed.verdict == "inconclusive" and "train speed was not timed" in untimed.reason
@@ -104,8 +114,9 @@ def test_a_speed_check_compares_the_timed_speeds_without_a_significance_test():
 
 
 def test_a_speed_timed_beside_other_work_judges_nothing():
-    data = results({"base": BASE, "fast": [9.0, 11.0]}, {"fast": [0.01, 0.01]})
-    for run, speed, others in zip(data["runs"], [10.0, 20.0, 30.0, 70.0], [0.0, 0.9, 0.1, None], strict=True):
+    data = results({"base": BASE, "fast": [9.0, 10.0, 11.0]}, {"fast": [0.01] * 3})
+    for run, speed, others in zip(data["runs"], [10.0, 20.0, 15.0, 40.0, 52.0, 46.0],
+                                  [0.0, 0.9, 0.0, 0.1, None, 0.0], strict=True):
         run["decode_per_s"], run["decode_others_cpu"] = speed, others
     check = Check("fast", "better", percent=200, up_to=400, metric="decode_speed")
     outcome = judge(check, data)
@@ -118,14 +129,14 @@ def test_a_speed_timed_beside_other_work_judges_nothing():
 
 
 def test_a_memory_check_reads_the_kv_cache_as_larger_or_smaller():
-    data = results({"base": BASE, "mqa": [9.0, 11.0]}, {"mqa": [0.01, 0.01]})
-    for run, mb in zip(data["runs"], [8.0, 8.0, 2.0, 2.0], strict=True):
+    data = results({"base": BASE, "mqa": [9.0, 10.0, 11.0]}, {"mqa": [0.01] * 3})
+    for run, mb in zip(data["runs"], [8.0, 8.0, 8.0, 2.0, 2.0, 2.0], strict=True):
         run["decode_cache_mb"] = mb
     check = Check("mqa", "worse", percent=70, up_to=80, metric="decode_memory")  # a 4-head cache cut 4-fold
     outcome = judge(check, data)
     assert outcome.verdict == "supported", outcome.reason
-    assert "decode_cache_mb per seed: -6.00 (-75.0%), -6.00 (-75.0%) (measured; no significance test)" in outcome.reason
-    assert "smaller in every seed" in outcome.reason
+    assert "decode_cache_mb per seed: -6.00 (-75.0%), -6.00 (-75.0%), -6.00 (-75.0%)" in outcome.reason
+    assert "smaller: the interval excludes 0" in outcome.reason
     assert describe(check, "base") == "mqa in decode memory smaller than base by 70% to 80%"
     assert judge(Check("mqa", "worse", percent=80, metric="decode_memory"), data).verdict == "contradicted"
     data["runs"][0]["decode_cache_mb"] = None  # a run scored before the cache was measured
@@ -133,18 +144,38 @@ def test_a_memory_check_reads_the_kv_cache_as_larger_or_smaller():
 
 
 def test_a_claim_depends_when_its_parts_disagree_and_fails_with_a_failed_part():
-    data = results({"base": BASE, "a": [11.0, 13.0], "b": [9.0, 11.0]}, {"a": [0.01, 0.01], "b": [0.01, 0.01]})
+    data = results({"base": BASE, "a": [11.0, 12.0, 13.0], "b": [9.0, 10.0, 11.0]}, {"a": [0.01] * 3, "b": [0.01] * 3})
     up, down = (judge(Check(c, "better"), data) for c in ("a", "b"))
     assert (up.verdict, down.verdict) == ("supported", "contradicted")
     assert verdict([up, down]) == "depends"
     assert verdict([up, up]) == "supported"
-    assert verdict([up, judge(Check("a", "better", percent=50), data)]) == "depends"
-    # up in both seeds but neither significant against the baseline: not shown either way
-    noise = judge(Check("c", "better"), results({"base": BASE, "c": [10.2, 12.3]}, {"c": [0.40, 0.30]}))
-    assert noise.verdict == "inconclusive", noise.reason
-    assert verdict([down, noise]) == "contradicted"  # a part fails and nothing holds: the claim fails
-    assert verdict([up, noise]) == "inconclusive"  # a part holds, the rest unknown: the claim is unknown
-    assert verdict([up, down, noise]) == "depends"  # a part holds and a part fails
+
+
+def curve_results(curves: dict[str, list[list[float]]], tests: dict[str, list[float]]) -> dict:
+    """results.json with each run's validation curve ([step, score] per validation)."""
+    data = results(tests, {c: [0.01] * len(v) for c, v in tests.items() if c != "base"})
+    for run in data["runs"]:
+        run["curve"] = curves[run["cell"]]
+    return data
+
+
+def test_a_baseline_still_improving_or_short_of_its_reference_has_not_converged():
+    """Gain over the last doubling: the best validation score by the end against the best by
+    half the steps, mean over seeds; and the test mean against the scale's reference."""
+    flat = [[100, 30.0], [200, 35.0], [300, 35.2], [400, 35.3]]  # 35.0 by step 200, 35.3 by 400: +0.86%
+    rising = [[100, 20.0], [200, 30.0], [300, 33.0], [400, 34.0]]  # +13.3%
+    data = curve_results({"base": flat, "x": rising}, {"base": [40.0] * 3, "x": [41.0] * 3})
+    state = convergence(data, "base")
+    assert state["converged"] is True and state["gain"] == pytest.approx(100 * 0.3 / 35.0)
+    assert "no reference score" in state["reason"]
+    assert convergence(data, "x")["converged"] is False
+    short = convergence(data, "base", reference=45.0)  # 40 is 89% of 45
+    assert short["converged"] is False and short["share"] == pytest.approx(100 * 40 / 45)
+    assert convergence(data, "base", reference=44.0)["converged"] is True  # 91%
+    early = curve_results({"base": [[300, 30.0]], "x": rising}, {"base": [40.0] * 3, "x": [41.0] * 3})
+    assert convergence(early, "base")["converged"] is None  # no validation by half the steps
+    data["runs"][0].pop("curve")
+    assert convergence(data, "base")["converged"] is None
 
 
 SPEC = "# Claim: deeper is better\n" + recall_spec([1, 2]) + """
@@ -193,7 +224,10 @@ def test_the_ledger_judges_each_claim_from_its_experiment(ledger):
 
     _, experiment = read_spec(specs / "depth.toml")
     expected = judge(experiment.checks[0], measured)
-    assert depth["checks"][0]["verdict"] == expected.verdict and depth["verdict"] == verdict([expected])
+    assert depth["checks"][0]["verdict"] == expected.verdict and depth["measured_verdict"] == verdict([expected])
+    # the toy's baseline scores the same by half its 4 steps as by all of them: converged by the rule
+    assert depth["convergence"]["converged"] is True and depth["verdict"] == verdict([expected])
+    assert all(len(run["curve"]) == 2 for run in measured["runs"])  # validated at steps 2 and 4
     text = out.read_text()
     assert "| 3 | Two layers beat one. |" in text and f"**Verdict: {expected.verdict}.**" in text
     two, one = measured["cells"][1], measured["cells"][0]  # the ledger's row says the numbers behind it
@@ -207,6 +241,29 @@ def test_the_ledger_judges_each_claim_from_its_experiment(ledger):
     assert record["results"]["cells"] == measured["cells"]
     assert not any(key in run for run in record["results"]["runs"] for key in ("run_dir", "predictions"))
     assert record["hardware"]["device"] == "cpu" and record["train_minutes"] >= 0
+
+
+def test_the_ledger_gives_no_verdict_from_an_undertrained_baseline(ledger, tmp_path):
+    """The same record with the baseline's curves still rising: the verdict measured is kept in
+    the claim's section, the one given is "inconclusive: undertrained", with the numbers."""
+    from xformer.ledger import build_ledger
+
+    folder, specs, out, report = ledger
+    records = tmp_path / "claims"
+    shutil.copytree(out.parent / "claims", records)
+    record = json.loads((records / "depth.json").read_text())
+    for run in record["results"]["runs"]:
+        if run["cell"] == "two":
+            run["curve"] = [[2, 0.2], [4, 0.4]]
+    (records / "depth.json").write_text(json.dumps(record))
+    rebuilt = build_ledger(specs, tmp_path / "no-runs", tmp_path / "claims.md", records)
+    row = next(r for r in rebuilt.rows if r["name"] == "depth")
+    assert row["verdict"] == "inconclusive: undertrained" and row["measured_verdict"] == report["rows"][1]["verdict"]
+    assert row["convergence"]["gain"] == pytest.approx(100.0)
+    text = (tmp_path / "claims.md").read_text()
+    assert "| 3 | Two layers beat one. | inconclusive: undertrained |" in text
+    assert "Convergence: two gained 100.0% on validation over its last doubling of steps (rule: under 1%)" in text
+    assert f"Measured verdict, not given: {row['measured_verdict']}." in text
 
 
 def test_the_ledger_regenerates_from_its_records_when_the_runs_are_gone(ledger, tmp_path):

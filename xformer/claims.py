@@ -15,27 +15,28 @@ A spec in recipes/claims/ carries, beside its [experiment], the claim it tests:
 A claim xformer cannot measure yet has a [claim] table with `blocked` (what is missing) and no
 [experiment].
 
-A check is judged on the per-seed differences d_i = cell - than on the test metric and, where
-`than` is the baseline, on each seed's paired test (sacreBLEU's bootstrap or McNemar). A check
-with `metric = "decode_speed"` or `"train_speed"` compares the runs' timed speeds instead (a
-claimed "3x faster" is `percent = 200`), with no significance test, and is inconclusive when a run
-behind it was timed while other processes took more than BUSY_OVER cores (xformer.cpuload);
-`metric = "decode_memory"` compares the decoder's KV cache at its largest, where "better" and
-"worse" read as larger and smaller (a cache cut h-fold by 4 heads is `worse`, `percent = 75`):
+A check is judged on the seed-paired differences d_i = cell - than (the same seed's runs) of the
+test metric, by their mean and its 95% t-interval across seeds: training noise, the spread from
+seed to seed. Each seed's paired test on the test set (sacreBLEU's bootstrap or McNemar), test-set
+noise, is shown beside it, not decided on. The interval's half-width is the smallest difference
+the design can detect. A check with `metric = "decode_speed"` or `"train_speed"` compares the
+runs' timed speeds instead (a claimed "3x faster" is `percent = 200`), and is inconclusive when a
+run behind it was timed while other processes took more than BUSY_OVER cores
+(xformer.cpuload); `metric = "decode_memory"` compares the decoder's KV cache at its largest,
+where "better" and "worse" read as larger and smaller (a cache cut h-fold by 4 heads is `worse`,
+`percent = 75`). With M the claimed margin or tolerance:
 
-    better / worse   supported    every seed in the claimed direction, significant where tested,
-                                  and the mean at least the claimed margin (and at most `up_to`)
-                     contradicted every seed the other way, significant where tested; or every
-                                  seed short of the claimed margin, and the mean short of it by
-                                  more than twice its standard error; or every seed beyond
-                                  `up_to`, significant where tested (a larger gap than claimed)
-    not_better       supported    no seed significantly better and the mean not above zero
-                     contradicted every seed better, significant where tested
-    not_worse        supported    every seed above `than` less the margin (a tolerated loss)
-                     contradicted every seed below it, significant where tested
-    same             supported    every seed within the tolerance
-                     contradicted every seed outside it on one side, significant where tested
-    otherwise        inconclusive (the seeds disagree, or the gap is inside the noise)
+    better / worse   supported    the interval excludes 0 on the claimed side, and the mean is
+                                  at least M (and at most `up_to`)
+                     contradicted the whole interval on the other side of 0; or below M; or
+                                  beyond `up_to` (a larger gap than claimed)
+    not_better       supported    the mean at most 0 (the interval then holds 0 or less)
+                     contradicted the interval above 0
+    not_worse        supported    the whole interval above -M (a tolerated loss)
+                     contradicted the whole interval below -M
+    same             supported    the whole interval within [-M, M]
+                     contradicted the whole interval outside it, on one side
+    otherwise        inconclusive (the interval holds 0 or the margin: the seeds cannot tell)
 
 A claim is what its checks say when they agree, and "depends" when some are supported and
 others contradicted (the ledger names which).
@@ -50,7 +51,6 @@ from typing import Literal
 
 from xformer.cpuload import BUSY_OVER, busy
 from xformer.experiment_report import OTHERS
-from xformer.significance import SIGNIFICANT
 from xformer.strict import did_you_mean, section_from_dict
 
 Expect = Literal["better", "worse", "not_better", "not_worse", "same"]
@@ -81,6 +81,7 @@ class Claim:
     source: str = ""  # where the wording comes from, when it has one
     scale: str = ""  # why this measurement may not transfer (model size, budget, data)
     blocked: str = ""  # what xformer lacks to measure it; "" when the spec has an [experiment]
+    looked: str = ""  # what a second look at a flagged result found (the ledger prints it beside the flag)
 
 
 @dataclass
@@ -155,7 +156,8 @@ def _check_problems(check: Check, cells: list[str], name: str) -> list[str]:
 
 
 def judge(check: Check, results: dict) -> Outcome:
-    """Judge one check against an experiment's results.json (xformer.experiment)."""
+    """Judge one check against an experiment's results.json (xformer.experiment): on the
+    seed-paired mean difference and its 95% t-interval across seeds (module docstring)."""
     than = check.than or results["baseline"]
     scores = {(r["cell"], r["seed"]): r.get(METRIC_KEYS[check.metric]) for r in results["runs"]}
     seeds = results["seeds"]
@@ -175,56 +177,110 @@ def judge(check: Check, results: dict) -> Outcome:
     upper = (base * check.up_to / 100 if check.percent else check.up_to) if check.up_to else math.inf
     claimed = claimed_gap(check)
     timed = check.metric != "test"
+    mean, half = statistics.fmean(diffs), half_width(diffs)
+    low, high = mean - half, mean + half
     p_values = _p_values(results, check.cell) if than == results["baseline"] and not timed else None
-    tested = (f" (paired p {', '.join(f'{p:.3f}' for p in p_values)})" if p_values is not None
-              else f" ({'measured' if check.metric in SIZES else 'timed'}; no significance test)" if timed
-              else " (no paired test: neither cell is the baseline)" if than != results["baseline"] else "")
-    significant = p_values is None or all(p < SIGNIFICANT for p in p_values)
+    beside = (f"; paired bootstrap p per seed {', '.join(f'{p:.3f}' for p in p_values)}" if p_values is not None
+              and results.get("metric") == "bleu" else f"; McNemar p per seed {', '.join(f'{p:.3f}' for p in p_values)}"
+              if p_values is not None else "")
     shown = ", ".join(_relative(d, base) for d in diffs)
-    said = f"{check.cell} - {than}{'' if not timed else ' ' + METRIC_KEYS[check.metric]} per seed: {shown}{tested}"
-    mean = statistics.fmean(diffs)
+    said = (f"{check.cell} - {than}{'' if not timed else ' ' + METRIC_KEYS[check.metric]} per seed: {shown}; "
+            f"mean {mean:+.2f}, 95% t-interval [{low:+.2f}, {high:+.2f}] over {len(diffs)} seeds (the smallest "
+            f"difference they can detect: {half:.2f}){beside}")
 
     def out(verdict, why):
         return Outcome(check, verdict, f"{said}; {_in_words(check, why)}")
 
     if check.expect in ("better", "worse"):
         sign = 1 if check.expect == "better" else -1
-        toward = [sign * d for d in diffs]
+        toward, near, far = sign * mean, min(sign * low, sign * high), max(sign * low, sign * high)
         other = "worse" if check.expect == "better" else "better"
-        if all(t > 0 for t in toward) and significant and margin <= sign * mean <= upper:
+        if near > 0 and margin <= toward <= upper:
             if not margin:
-                return out("supported", f"{check.expect} in every seed")
-            measured = f"{100 * sign * mean / base:.1f}%" if check.percent else f"{sign * mean:.2f}"
-            return out("supported", f"{check.expect} in every seed, by {measured} on average (claimed {claimed})")
-        if all(t > upper for t in toward) and significant:
-            return out("contradicted", f"{check.expect} in every seed, but by more than the claimed {claimed}")
-        if all(t < 0 for t in toward) and significant:
-            return out("contradicted", f"{other} in every seed, not {check.expect}")
-        if margin and all(t < margin for t in toward) and sign * mean + 2 * _stderr(diffs) < margin:
-            return out("contradicted", f"short of the claimed {claimed} in every seed, and by more than twice "
-                                       "the standard error of the mean difference")
-        return out("inconclusive", "the seeds disagree or the gap is within the noise")
+                return out("supported", f"{check.expect}: the interval excludes 0")
+            measured = f"{100 * toward / base:.1f}%" if check.percent else f"{toward:.2f}"
+            return out("supported", f"{check.expect}: the interval excludes 0, the mean {measured} (claimed {claimed})")
+        if near > upper:
+            return out("contradicted", f"{check.expect}, but the whole interval beyond the claimed {claimed}")
+        if far < 0:
+            return out("contradicted", f"{other}, not {check.expect}: the whole interval on the other side of 0")
+        if margin and far < margin:
+            return out("contradicted", f"the whole interval short of the claimed {claimed}")
+        return out("inconclusive", "the interval holds 0 or the claimed margin: the seeds cannot tell")
     if check.expect == "not_better":
-        better = [d > 0 and (p_values is None or p_values[i] < SIGNIFICANT) for i, d in enumerate(diffs)]
-        if all(better):
-            return out("contradicted", "better in every seed")
-        if not any(better) and mean <= 0:
-            return out("supported", "not better in any seed")
-        return out("inconclusive", "the seeds disagree or the gap is within the noise")
+        if low > 0:
+            return out("contradicted", "better: the interval excludes 0")
+        if mean <= 0:
+            return out("supported", "not better on average, and the interval holds 0 or less")
+        return out("inconclusive", "better on average, but the interval holds 0")
     if check.expect == "not_worse":
-        if all(d >= -margin for d in diffs):
+        if low >= -margin:
             below = f"{claimed} below " if margin else ""
-            return out("supported", f"no worse than {below}{than} in every seed")
-        if significant and all(d < -margin for d in diffs):
-            return out("contradicted", f"more than {claimed} below {than} in every seed" if margin
-                       else f"below {than} in every seed")
-        return out("inconclusive", "the seeds disagree or the gap is within the noise")
+            return out("supported", f"the whole interval no worse than {below}{than}")
+        if high < -margin:
+            return out("contradicted", f"the whole interval more than {claimed} below {than}" if margin
+                       else f"the whole interval below {than}")
+        return out("inconclusive", "the interval reaches below the tolerated loss: the seeds cannot tell")
     # same, within a tolerance
-    if all(abs(d) <= margin for d in diffs):
-        return out("supported", f"within {claimed} in every seed")
-    if significant and (all(d < -margin for d in diffs) or all(d > margin for d in diffs)):
-        return out("contradicted", f"more than {claimed} apart in every seed")
-    return out("inconclusive", f"not within {claimed} in every seed, nor consistently outside it")
+    if -margin <= low and high <= margin:
+        return out("supported", f"the whole interval within {claimed}")
+    if high < -margin or low > margin:
+        return out("contradicted", f"the whole interval more than {claimed} away")
+    return out("inconclusive", f"the interval reaches past {claimed}: the seeds cannot tell")
+
+
+CONVERGED_GAIN = 1.0  # %: a converged baseline gained less than this over the last doubling of its steps
+REFERENCE_SHARE = 90.0  # %: and scores at least this share of the reference score for its scale
+STILL_IMPROVING = "still improving"
+
+
+def convergence(results: dict, cell: str, reference: float = 0.0) -> dict:
+    """Whether `cell` has converged by the ledger's one rule: its validation score (mean over
+    seeds, the best so far) gained less than CONVERGED_GAIN % from half its steps to all of them,
+    and, where the scale has a reference score, its test mean is at least REFERENCE_SHARE % of
+    it. {"converged": bool | None (not measurable), "gain", "share", "reason"}."""
+    runs = [r for r in results["runs"] if r["cell"] == cell]
+    halves, ends = [], []
+    for run in runs:
+        curve = [(step, value) for step, value in run.get("curve") or [] if value is not None]
+        if not curve:
+            return {"converged": None, "gain": None, "share": None,
+                    "reason": f"{cell}: no validation curve recorded (runs from before curves were kept)"}
+        last = curve[-1][0]
+        early = [v for step, v in curve if step <= last // 2]
+        if not early:
+            return {"converged": None, "gain": None, "share": None,
+                    "reason": f"{cell}-s{run['seed']}: no validation by half its {last} steps"}
+        lower = results.get("metric") == "loss"  # the best so far: the lowest loss, the highest score
+        pick = min if lower else max
+        halves.append(pick(early))
+        ends.append(pick(v for _, v in curve))
+    half, end = statistics.fmean(halves), statistics.fmean(ends)
+    gain = 100 * (end - half) / abs(half) * (-1 if results.get("metric") == "loss" else 1) if half else math.inf
+    test = statistics.fmean(r["test"] for r in runs)
+    share = 100 * test / reference if reference else None
+    converged = gain < CONVERGED_GAIN and (share is None or share >= REFERENCE_SHARE)
+    words = f"{cell} gained {gain:.1f}% on validation over its last doubling of steps (rule: under {CONVERGED_GAIN:g}%)"
+    if share is not None:
+        words += f" and scores {share:.0f}% of the reference {reference:g} (rule: at least {REFERENCE_SHARE:g}%)"
+    else:
+        words += "; no reference score for this scale"
+    return {"converged": converged, "gain": gain, "share": share, "reason": words}
+
+
+# 97.5% quantiles of Student's t with 1..30 degrees of freedom; the normal's past 30
+T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228, 2.201, 2.179, 2.160, 2.145, 2.131,
+        2.120, 2.110, 2.101, 2.093, 2.086, 2.080, 2.074, 2.069, 2.064, 2.060, 2.056, 2.052, 2.048, 2.045, 2.042)
+
+
+def half_width(diffs: list[float]) -> float:
+    """Half the 95% t-interval of the mean of `diffs` (seed-paired differences): the smallest
+    mean difference these seeds can tell from 0 at this spread; infinite from one seed."""
+    n = len(diffs)
+    if n < 2:
+        return math.inf
+    t = T975[n - 2] if n - 1 <= len(T975) else 1.960
+    return t * statistics.stdev(diffs) / math.sqrt(n)
 
 
 def _in_words(check: Check, text: str) -> str:
@@ -269,10 +325,6 @@ def _p_values(results: dict, cell: str) -> list[float] | None:
     if "paired" not in entry:  # the baseline against itself
         return None
     return [p["p_value"] for p in entry["paired"]]
-
-
-def _stderr(values: list[float]) -> float:
-    return statistics.stdev(values) / len(values) ** 0.5 if len(values) > 1 else float("inf")
 
 
 def _relative(d: float, base: float) -> str:

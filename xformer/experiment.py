@@ -79,6 +79,9 @@ class ExperimentConfig:
     max_time: float = 0.0  # minutes of training per run; 0: no time limit
     set: list[str] = field(default_factory=list)
     rescore: bool = False  # score runs copied by --reuse again here (a speed claim times every run in one sitting)
+    # the baseline's converged test score at this scale (measured, e.g. the CPU scale's); the
+    # ledger gives no verdict while the baseline scores under 90% of it (xformer.claims); 0: none
+    reference: float = 0.0
 
     def problems(self, cells: dict) -> list[str]:
         out = []
@@ -247,12 +250,14 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
         if test.get(kind):
             test[kind] = str(run_dir / "eval" / Path(test[kind]).name)
     best = trained["best"] or {}
+    curve = [[h["step"], h.get(metric)] for h in trained.get("history", []) if h.get("kind") == "valid"]
     # speeds timed in this experiment only: a --reuse copy was trained elsewhere, and decoded
     # elsewhere unless it was scored again
     train_timed = bool(trained.get("loop_seconds")) and copied is None
     decode_timed = copied is None or copied["rescored"] or scored_here
     return {"cell": cell, "seed": seed, "metric": metric, "test": test[metric], "valid": best.get(metric),
             "best_step": best.get("step"), "steps": trained["steps"], "parameters": trained["parameters"],
+            "curve": curve,  # [step, validation metric] at every validation: what convergence is judged on
             "train_seconds": trained["train_seconds"], "hypotheses": test.get("hypotheses"),
             # training steps a second, validation excluded (a claim about training speed
             # compares the steps, not how long each model takes to validate)
