@@ -352,3 +352,71 @@ def test_every_problem_of_a_spec_is_reported_at_once(corpus, tmp_path):
                   "experiment.cells.heads_1: --set train.lrr: unknown key",
                   "experiment.cells.heads_2: --set model.ffn"):
         assert sum(words in line for line in lines) == 1, (words, lines)
+
+
+def test_a_curve_trains_one_stable_run_per_seed_and_branches_each_smaller_budget(tmp_path):
+    """experiment.budgets = [4, 8] with 3 seeds: each cell and seed trains once to 8 steps in the
+    wsd schedule, and the 4-step budget is a cooldown branched from it at step 3 (where a
+    4-step run starts cooling), ending with the tensors of a 4-step run trained alone. Every
+    budget is scored; results.json keeps a curve per budget and the validation curve the
+    convergence rule reads."""
+    import torch
+
+    from xformer.checkpoint import read_checkpoint
+    from xformer.experiment import load_experiment
+    from xformer.train import run
+
+    spec = tmp_path / "curve.toml"
+    spec.write_text(recall_spec([1, 2, 3]).replace("max_steps = 4", "budgets = [4, 8]"))
+    made = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "out"), "--device", "cpu", "--json"])
+    assert made.exit_code == 0, made.output
+    report = json.loads(made.stdout.strip().splitlines()[-1])
+    runs = tmp_path / "out" / "runs"
+    assert sorted(p.name for p in runs.iterdir()) == sorted(f"{c}-s{s}{b}" for c in ("one", "two") for s in (1, 2, 3)
+                                                           for b in ("", "-at4"))
+    for cell in ("one", "two"):
+        for seed in (1, 2, 3):
+            stable = json.loads((runs / f"{cell}-s{seed}" / "train.json").read_text())
+            branch = json.loads((runs / f"{cell}-s{seed}-at4" / "train.json").read_text())
+            assert stable["steps"] == 8 and branch["steps"] == 4
+            assert json.loads((runs / f"{cell}-s{seed}-at4" / "branched-from.json").read_text())["step"] == 3
+    assert [c["budget"] for c in report["curves"]] == [4, 8]
+    assert report["curves"][1]["cells"] == report["cells"]
+    four = {(r["cell"], r["seed"]): r for r in report["curves"][0]["runs"]}
+    for row in report["runs"]:
+        shorter = four[(row["cell"], row["seed"])]
+        assert row["budget"] == 8 and row["curve"] == [[4, shorter["valid"]], [8, row["valid"]]]
+    # the branch is the run a 4-step wsd budget trains alone
+    experiment = load_experiment(spec)
+    run(experiment.recipe("two", 2, 4), tmp_path / "alone", device="cpu")
+    a, _ = read_checkpoint(tmp_path / "alone" / "checkpoints" / "last.safetensors")
+    b, _ = read_checkpoint(runs / "two-s2-at4" / "checkpoints" / "last.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a if k.startswith(("model.", "optim.")))
+    again = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "out"), "--device", "cpu"])
+    assert again.exit_code == 0 and "12 runs, 12 done already" in again.output
+    assert (tmp_path / "out" / "curves.png").stat().st_size > 0
+    # the ledger judges it at 8 steps, says the verdict at 4 too, and draws the curves
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "curve.toml").write_text(spec.read_text() + CURVE_CLAIM)
+    shutil.copytree(tmp_path / "out", tmp_path / "runs" / "curve")
+    ledger = runner.invoke(app, ["claims", str(specs), "--runs", str(tmp_path / "runs"), "--out",
+                                 str(tmp_path / "docs" / "claims.md"), "--json"])
+    assert ledger.exit_code == 0, ledger.output
+    row = json.loads(ledger.stdout.strip().splitlines()[-1])["rows"][0]
+    assert [b["budget"] for b in row["budgets"]] == [4, 8] and set(row["budgets"][0]["order"]) == {"one", "two"}
+    text = (tmp_path / "docs" / "claims.md").read_text()
+    assert "At every budget (judged at the largest): 4 steps: " in text
+    assert "![learning curves of curve](claims/curve.png)" in text
+    assert (tmp_path / "docs" / "claims" / "curve.png").stat().st_size > 0
+
+
+CURVE_CLAIM = """
+[claim]
+number = 2
+says = "Two layers beat one."
+
+[[claim.checks]]
+cell = "one"
+expect = "worse"
+"""

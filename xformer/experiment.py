@@ -39,6 +39,7 @@ on the test split. Then
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from dataclasses import dataclass, field
@@ -76,6 +77,10 @@ class ExperimentConfig:
     seeds: list[int] = field(default_factory=lambda: [1, 2, 3])
     baseline: str = ""
     max_steps: int = 0  # per run; 0: no step limit
+    # a learning curve: each cell and seed trains once, in the wsd schedule, to the largest of
+    # these steps, keeping branch points; every smaller budget is a cooldown branched from it
+    # (xformer.train's branches), so the curve costs about one run and its cooldowns
+    budgets: list[int] = field(default_factory=list)
     max_time: float = 0.0  # minutes of training per run; 0: no time limit
     set: list[str] = field(default_factory=list)
     rescore: bool = False  # score runs copied by --reuse again here (a speed claim times every run in one sitting)
@@ -92,7 +97,13 @@ class ExperimentConfig:
         if self.baseline not in cells:
             out.append(f"experiment.baseline: expected one of the cells ({', '.join(cells) or 'none'}), "
                        f"found {self.baseline!r}{did_you_mean(self.baseline, list(cells))}")
-        if self.max_steps < 0 or self.max_time < 0 or (self.max_steps == 0 and self.max_time == 0):
+        if self.budgets:
+            if sorted(set(self.budgets)) != self.budgets or self.budgets[0] < 2:
+                out.append(f"experiment.budgets: expected increasing steps of at least 2, found {self.budgets}")
+            if self.max_steps or self.max_time:
+                out.append("experiment.budgets: the curve's budgets replace experiment.max_steps and max_time; "
+                           "set neither")
+        elif self.max_steps < 0 or self.max_time < 0 or (self.max_steps == 0 and self.max_time == 0):
             out.append("experiment.max_time: expected experiment.max_steps or experiment.max_time to be positive "
                        "(the budget of each run)")
         return out
@@ -107,11 +118,21 @@ class Experiment:
     claim: Claim | None = None  # the [claim] the experiment tests (xformer/claims.py), if any
     checks: list[Check] = field(default_factory=list)
 
-    def recipe(self, cell: str, seed: int) -> Recipe:
+    def recipe(self, cell: str, seed: int, budget: int = 0) -> Recipe:
+        """The run of `cell` and `seed`; with experiment.budgets, the wsd run of `budget` steps
+        (0: the largest, the stable run the others branch from)."""
         c = self.config
-        sets = [*c.set, *self.overrides, *self.cells[cell], f"train.seed={seed}", f"train.max_steps={c.max_steps}",
+        steps = budget or (c.budgets[-1] if c.budgets else c.max_steps)
+        sets = [*c.set, *self.overrides, *self.cells[cell], f"train.seed={seed}", f"train.max_steps={steps}",
                 f"train.max_time={c.max_time}", "train.max_epochs=0"]
-        return load_recipe(self.source.parent / c.recipe, sets)
+        if not c.budgets:
+            return load_recipe(self.source.parent / c.recipe, sets)
+        sets.append("train.schedule=wsd")
+        fraction = load_recipe(self.source.parent / c.recipe, sets).train.decay_fraction
+        every = math.gcd(*(cooldown_start(b, fraction) for b in c.budgets[:-1])) if len(c.budgets) > 1 else 0
+        every = 0 if budget else every  # the stable run keeps the branch points; its cooldowns need none
+        return load_recipe(self.source.parent / c.recipe, [*sets, f"train.branch_every={every}",
+                                                           "train.patience=0"])
 
 
 def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
@@ -174,8 +195,15 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     return experiment
 
 
-def run_key(cell: str, seed: int) -> str:
-    return f"{cell}-s{seed}"
+def run_key(cell: str, seed: int, budget: int = 0) -> str:
+    """The run's folder name: CELL-sSEED, and -atSTEPS for a budget branched from it."""
+    return f"{cell}-s{seed}" + (f"-at{budget}" if budget else "")
+
+
+def cooldown_start(budget: int, fraction: float) -> int:
+    """The step a wsd run of `budget` steps starts cooling down at (xformer.optim.wsd_window):
+    where its branch leaves the stable run."""
+    return budget - max(1, round(fraction * budget))
 
 
 def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str = "auto",
@@ -196,10 +224,11 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
     out_dir.mkdir(parents=True, exist_ok=True)
     _pin(experiment, out_dir)
     plan = [(cell, seed) for cell in experiment.cells for seed in experiment.config.seeds]
-    rows = {}
-    emit("plan", {"runs": len(plan), "done": sum(run_state(out_dir / "runs" / run_key(c, s)) == "trained"
-                                                 and (out_dir / "runs" / run_key(c, s) / "eval.json").is_file()
-                                                 for c, s in plan)})
+    rows: dict[tuple, dict] = {}  # (cell, seed): the run; (cell, seed, budget): a curve's cooldown
+    folders = [run_key(c, s, b) for c, s in plan for b in [0, *experiment.config.budgets[:-1]]]
+    emit("plan", {"runs": len(folders), "done": sum(run_state(out_dir / "runs" / f) == "trained"
+                                                    and (out_dir / "runs" / f / "eval.json").is_file()
+                                                    for f in folders)})
     for index, (cell, seed) in enumerate(plan):
         stop_if_asked(stops)  # a stop that landed while the last run ended or was scored
         run_dir = out_dir / "runs" / run_key(cell, seed)
@@ -226,10 +255,56 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
             rows[(cell, seed)] = _score_diverged(experiment, run_dir, cell, seed, diverged)
             emit("diverged", rows[(cell, seed)])
         emit("run_end", rows[(cell, seed)])
+        for budget in experiment.config.budgets[:-1]:  # the curve's cooldowns, branched from that run
+            stop_if_asked(stops)
+            rows[(cell, seed, budget)] = _branched(experiment, out_dir, cell, seed, budget, rows[(cell, seed)],
+                                                   device, emit)
     stop_if_asked(stops)
-    result = _compare(experiment, rows, scored, out_dir)
+    largest = {key: row for key, row in rows.items() if len(key) == 2}
+    curves = None
+    if experiment.config.budgets:
+        every = {key: {**row, "budget": experiment.config.budgets[-1]} for key, row in largest.items()}
+        every.update({key: row for key, row in rows.items() if len(key) == 3})
+        curves = []
+        for b in experiment.config.budgets:
+            at = _compare(experiment, {(c, s): r for (c, s, *_), r in every.items() if r["budget"] == b}, scored,
+                          out_dir)
+            curves.append({"budget": b, "cells": at.cells, "runs": at.runs})
+        for (cell, seed), row in largest.items():  # the curve convergence is judged on: the budgets' best validation
+            row["curve"] = [[b, every[(cell, seed, b) if b != experiment.config.budgets[-1] else (cell, seed)]["valid"]]
+                            for b in experiment.config.budgets]
+            row["budget"] = experiment.config.budgets[-1]
+    result = _compare(experiment, largest, scored, out_dir)
+    result.curves = curves
     write_results(result, out_dir)
     return result
+
+
+def _branched(experiment: Experiment, out_dir: Path, cell: str, seed: int, budget: int, stable: dict, device: str,
+              emit: Event) -> dict:
+    """The run of `budget` steps: a cooldown branched from the stable run of its cell and seed
+    at the step it starts cooling (cooldown_start), trained and scored like any run."""
+    recipe = experiment.recipe(cell, seed, budget)
+    run_dir = out_dir / "runs" / run_key(cell, seed, budget)
+    emit("run_start", {"index": -1, "cell": cell, "seed": seed, "budget": budget,
+                       "resume": run_state(run_dir) == "resume"})
+    diverged = stable.get("diverged_at") or diverged_at(run_dir)
+    if diverged is None:
+        try:
+            train_to_end(recipe, run_dir, device=device, branch=(out_dir / "runs" / run_key(cell, seed),
+                                                               cooldown_start(budget, recipe.train.decay_fraction)),
+                         on_fraction=lambda f: emit("run_progress", {"index": -1, "fraction": f}))
+        except DivergedError as exc:
+            diverged = exc.step
+    if diverged is None:
+        row = _score(run_dir, cell, seed, device)
+    elif stable.get("diverged_at") is not None and stable["diverged_at"] <= budget:  # it never got this far
+        row = {**stable}
+    else:
+        row = _score_diverged(experiment, run_dir, cell, seed, diverged)
+    row = {**row, "budget": budget}
+    emit("run_end", row)
+    return row
 
 
 def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
@@ -333,6 +408,8 @@ def _compare(experiment: Experiment, rows: dict, scored: list, out_dir: Path) ->
         cells.append(entry)
     metric = rows[(c.baseline, c.seeds[0])]["metric"]
     budget = f"{c.max_steps} steps" if c.max_steps else f"{c.max_time:g} minutes"
+    if c.budgets:
+        budget = f"{c.budgets[-1]} steps (wsd; a curve at {', '.join(map(str, c.budgets))})"
     return ExperimentResult(metric=metric, baseline=c.baseline, seeds=c.seeds, budget_per_run=budget,
                             cells=cells, runs=[rows[k] for k in sorted(rows)], source=str(experiment.source))
 
@@ -372,6 +449,7 @@ def _pin(experiment: Experiment, out_dir: Path) -> None:
     """The spec as first run; a rerun into the same folder must be the same experiment."""
     c = experiment.config
     pinned = {"recipe": experiment.recipe(c.baseline, c.seeds[0]).to_dict(), "cells": experiment.cells,
-              "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time}
+              "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time, "budgets": c.budgets}
     pin(out_dir / "experiment.json", pinned, "this folder holds an experiment with other cells, seeds, budget or "
-        "recipe; use another --out (runs of different settings cannot be compared)")
+        "recipe; use another --out (runs of different settings cannot be compared)",
+        as_now=lambda old: {"budgets": [], **old})  # folders from before curves

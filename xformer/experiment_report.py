@@ -75,3 +75,34 @@ def write_results(result: ExperimentResult, out_dir: Path) -> None:
     fig.tight_layout()
     fig.savefig(out_dir / "results.png", dpi=110)
     plt.close(fig)
+    if result.curves:
+        curve_png(result.to_dict(), out_dir / "curves.png")
+
+
+def curve_png(results: dict, path: Path) -> None:
+    """A learning curve per cell (experiment.budgets): the mean test score over seeds at each
+    budget, with a band of one standard deviation, the baseline in grey."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(5.0, 3.5))
+    budgets = [c["budget"] for c in results["curves"]]
+    for name in [c["cell"] for c in results["cells"]]:
+        at = [next(c for c in curve["cells"] if c["cell"] == name) for curve in results["curves"]]
+        mean = [c["test_mean"] for c in at]
+        std = [c["test_std"] for c in at]
+        line, = ax.plot(budgets, mean, marker="o", label=name,
+                        color="#888" if name == results["baseline"] else None)
+        ax.fill_between(budgets, [m - d for m, d in zip(mean, std, strict=True)],
+                        [m + d for m, d in zip(mean, std, strict=True)], color=line.get_color(), alpha=0.2)
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("training steps (wsd; each budget cooled down)")
+    ax.set_ylabel(f"test {results['metric']}")
+    ax.set_title(f"mean and std over {len(results['seeds'])} seeds")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

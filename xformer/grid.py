@@ -35,12 +35,13 @@ def stop_if_asked(stops: StopSignals) -> None:
 
 
 def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Callable[[float], None],
-                 measure_memory: bool = False) -> None:
+                 measure_memory: bool = False, branch: tuple[Path, int] | None = None) -> None:
     """Train the run in run_dir to its budget: from scratch when new, resumed when an earlier
     attempt stopped part way, nothing when it is trained (rundir.run_state). on_fraction gets
     the run's progress, 0..1. A stop signal stops the run with its checkpoint saved and raises
     GridStopped, so the grid stops too, even when it landed on the run's last step;
-    DivergedError (non-finite losses) propagates."""
+    DivergedError (non-finite losses) propagates. `branch` = (RUN, STEP): a new run starts as
+    RUN stood at STEP (xformer.train's branches)."""
     state = run_state(run_dir)
     if state == "trained":
         return
@@ -50,8 +51,10 @@ def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Cal
         if kind in ("tick", "step"):
             on_fraction(payload["fraction"])
 
-    result = run(recipe, run_dir, device=device, resume=state == "resume", overwrite=state == "new",
-                 on_event=forward, measure_memory=measure_memory)
+    fresh = state == "new" and branch is not None and not run_dir.exists()
+    result = run(recipe, run_dir, device=device, resume=state == "resume", overwrite=state == "new" and not fresh,
+                 on_event=forward, measure_memory=measure_memory, branch_from=branch[0] if fresh else None,
+                 at_step=branch[1] if fresh else None)
     if result.stop_reason == "interrupted" or result.stop_signal:
         raise GridStopped(result.stop_signal or "SIGINT")
 

@@ -14,6 +14,7 @@ and returns the ledger's rows.
 from __future__ import annotations
 
 import json
+import os
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -29,7 +30,7 @@ from xformer.claims import (
 )
 from xformer.errors import RecipeError, RunError
 from xformer.experiment import Experiment, load_experiment
-from xformer.experiment_report import markdown
+from xformer.experiment_report import curve_png, markdown
 from xformer.files import atomic_write_text
 from xformer.recipe_io import read_toml
 from xformer.results import ExperimentResult, Ledger
@@ -88,7 +89,9 @@ def record_from_run(folder: Path, spec: Path, experiment: Experiment) -> dict | 
         ran, c = json.loads(pinned.read_text()), experiment.config
         if "recipe" in ran:
             differences = recipe_differences(ran["recipe"], experiment.recipe(c.baseline, c.seeds[0]).to_dict())
-        wanted = {"cells": experiment.cells, "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time}
+        wanted = {"cells": experiment.cells, "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time,
+                  "budgets": c.budgets}
+        ran.setdefault("budgets", [])  # folders from before curves
         differ = [f"{key} {ran.get(key)!r} (the spec: {value!r})" for key, value in wanted.items()
                   if ran.get(key) != json.loads(json.dumps(value))]
         if differ:
@@ -98,6 +101,8 @@ def record_from_run(folder: Path, spec: Path, experiment: Experiment) -> dict | 
     first = folder / "runs" / f"{data['runs'][0]['cell']}-s{data['runs'][0]['seed']}" / "train.json"
     card = json.loads(first.read_text())["card"] if first.is_file() else {}
     data["runs"] = [{k: v for k, v in r.items() if k not in LOCAL} for r in data["runs"]]
+    for curve in data.get("curves") or []:
+        curve["runs"] = [{k: v for k, v in r.items() if k not in LOCAL} for r in curve["runs"]]
     data["source"] = spec.as_posix()
     when = datetime.fromtimestamp(results.stat().st_mtime, tz=timezone.utc).date().isoformat()
     return {"spec": spec.as_posix(), "measured": when,
@@ -156,6 +161,10 @@ def build_ledger(specs: Path, runs: Path, out: Path, records: Path | None = None
             elif kept.is_file():
                 record = json.loads(kept.read_text())
         rows.append(_row(path, claim, experiment, record))
+        if record is not None and record["results"].get("curves"):
+            png = records / f"{path.stem}.png"
+            curve_png(record["results"], png)
+            rows[-1]["curves_png"] = Path(os.path.relpath(png, out.parent)).as_posix()
     rows.sort(key=lambda r: (r["number"], r["spec"]))
     text = _markdown(rows)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -192,7 +201,11 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
         converged = {**converged, "converged": True, "reason": "not needed: speed and memory checks only"}
     shown = measured if converged["converged"] else (
         "inconclusive: convergence not measured" if converged["converged"] is None else "inconclusive: undertrained")
-    return {**row, "verdict": shown, "measured_verdict": measured, "convergence": converged,
+    at_budgets = [{"budget": curve["budget"], "verdict": verdict([judge(check, {**results, **curve})
+                                                                   for check in experiment.checks]),
+                   "order": [cell["cell"] for cell in sorted(curve["cells"], key=lambda cell: -cell["test_mean"])]}
+                  for curve in results.get("curves") or []]
+    return {**row, "verdict": shown, "measured_verdict": measured, "convergence": converged, "budgets": at_budgets,
             "flags": flags(results, c.baseline), "looked": claim.looked, "record": record,
             "differences": record.get("differences"),
             "checks": [{"check": describe(o.check, c.baseline), "verdict": o.verdict, "reason": o.reason,
@@ -241,6 +254,14 @@ def _markdown(rows: list[dict]) -> str:
             lines += [f"- Flag: {f}" for f in r["flags"]]
             if r["flags"] and r["looked"]:
                 lines += [f"- A second look found: {r['looked']}"]
+        if r.get("budgets"):
+            at = "; ".join(f"{b['budget']} steps: {b['verdict']}" for b in r["budgets"])
+            orders = {tuple(b["order"]) for b in r["budgets"]}
+            held = ("the cells' order (by mean test score) held at every budget" if len(orders) == 1 else
+                    "the cells' order changed: " + "; ".join(f"{b['budget']}: {' > '.join(b['order'])}"
+                                                             for b in r["budgets"]))
+            lines += ["", f"At every budget (judged at the largest): {at}; {held}.", "",
+                      f"![learning curves of {r['name']}]({r['curves_png']})"]
         if "blocked" in r:
             lines += ["", f"Not measurable yet: {r['blocked']}"]
             continue

@@ -157,6 +157,9 @@ class ExperimentResult(Result):
     cells: list[dict]  # per cell: test and valid mean/std, difference from the baseline, paired tests
     runs: list[dict]  # one per (cell, seed)
     source: str  # the spec file
+    # with experiment.budgets: per budget, {"budget", "cells", "runs"} as above (the largest is
+    # `cells` and `runs` themselves, the others cooldowns branched from them)
+    curves: list[dict] | None = None
 
 
 @dataclass
