@@ -26,6 +26,10 @@ def experiment(
     reuse: Annotated[list[Path], typer.Option("--reuse", help="Folder of finished runs (searched at any depth, "
                                                               "repeatable): a run whose resolved recipe is the "
                                                               "same is copied in instead of trained again.")] = [],  # noqa: B006
+    jobs: Annotated[int, typer.Option("--jobs", min=1, help="Runs trained at once, each in its own process with "
+                                                          "the CPU threads split between them (on CUDA, sharing the "
+                                                          "device); an experiment that times its runs runs them one at "
+                                                          "a time.")] = 1,
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
 ) -> None:
@@ -44,19 +48,28 @@ def experiment(
             bar.say(f"{payload['cell']} seed {payload['seed']}: the same run is finished in {payload['source']}; "
                     f"copied, not trained again{again}")
         elif kind == "run_start":
-            bar.start(f"{payload['cell']} seed {payload['seed']}", payload["resume"])
+            at = f" at {payload['budget']} steps" if payload.get("budget") else ""
+            bar.start(f"{payload['cell']} seed {payload['seed']}{at}", payload["resume"])
+        elif kind == "setup":
+            bar.say(payload["message"])
+        elif kind == "jobs":
+            bar.say(f"{payload['waiting']} runs to train, {payload['jobs']} at a time, {payload['threads']} CPU "
+                    "thread(s) each")
+        elif kind == "job_end":
+            bar.say(f"{payload['cell']} seed {payload['seed']}: trained and scored")
         elif kind == "diverged":
             bar.say(f"{payload['cell']} seed {payload['seed']}: diverged at step {payload['diverged_at']} (the loss "
                     "stayed non-finite); scored as an empty output")
         elif kind == "run_progress":
             bar.advance(payload["fraction"])
         elif kind == "run_end":
-            bar.end(f"{payload['cell']} seed {payload['seed']}: test {payload['metric']} {payload['test']:.2f}, "
+            at = f" at {payload['budget']} steps" if payload.get("budget") else ""
+            bar.end(f"{payload['cell']} seed {payload['seed']}{at}: test {payload['metric']} {payload['test']:.2f}, "
                     f"{payload['steps']} steps")
 
     try:
         with bar:
-            result = run_experiment(loaded, out_dir, device=device, reuse=reuse, on_event=on_event)
+            result = run_experiment(loaded, out_dir, device=device, reuse=reuse, on_event=on_event, jobs=jobs)
     except (KeyboardInterrupt, GridStopped) as stop:
         name = stop.signal if isinstance(stop, GridStopped) else "SIGINT"
         typer.echo(f"stopped by {name}; run the same command again to continue the experiment in {out_dir}", err=True)

@@ -420,3 +420,37 @@ says = "Two layers beat one."
 cell = "one"
 expect = "worse"
 """
+
+
+def test_jobs_2_makes_the_runs_jobs_1_makes(tmp_path, monkeypatch):
+    """--jobs 2 trains two runs at once, each in its own process with half the threads; with
+    one thread a run either way, every run's tensors and scores equal those of --jobs 1, and the
+    results are the same cell for cell. A curve's cooldowns go with their stable run."""
+    import torch
+
+    from xformer.checkpoint import read_checkpoint
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # --jobs 2: one thread each
+    spec = tmp_path / "curve.toml"
+    spec.write_text(recall_spec([1, 2]).replace("max_steps = 4", "budgets = [4, 8]"))
+    parallel = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "two"), "--device", "cpu",
+                                   "--jobs", "2", "--json"])
+    assert parallel.exit_code == 0, parallel.output
+    monkeypatch.undo()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        serial = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "one"), "--device", "cpu",
+                                     "--json"])
+    finally:
+        torch.set_num_threads(threads)
+    assert serial.exit_code == 0, serial.output
+    a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (parallel, serial))
+    assert untimed(a["cells"]) == untimed(b["cells"])
+    assert [(r["cell"], r["seed"], r["test"], r["valid"]) for r in a["runs"]] == \
+        [(r["cell"], r["seed"], r["test"], r["valid"]) for r in b["runs"]]
+    for run in (tmp_path / "one" / "runs").iterdir():
+        mine, _ = read_checkpoint(run / "checkpoints" / "last.safetensors")
+        theirs, _ = read_checkpoint(tmp_path / "two" / "runs" / run.name / "checkpoints" / "last.safetensors")
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine if k.startswith(("model.", "optim."))), run.name
+    assert not list((tmp_path / "two" / "runs").glob("*.job.log"))  # a job's log goes once it succeeded

@@ -40,16 +40,23 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import re
+import signal
 import statistics
+import subprocess
+import sys
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import torch
 
 from xformer.checkpoint import read_checkpoint_meta
 from xformer.claims import Check, Claim, claim_from_table
 from xformer.config import Recipe
 from xformer.data.corpus import load_split
-from xformer.errors import DivergedError, RecipeError
+from xformer.errors import DivergedError, RecipeError, RunError
 from xformer.evaluate import evaluate_run, paired_set
 from xformer.events import Event, ignore
 from xformer.experiment_report import SPEEDS, write_results
@@ -207,18 +214,25 @@ def cooldown_start(budget: int, fraction: float) -> int:
 
 
 def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str = "auto",
-                   reuse: list[str | Path] = (), on_event: Event | None = None) -> ExperimentResult:
+                   reuse: list[str | Path] = (), on_event: Event | None = None, jobs: int = 1) -> ExperimentResult:
     """Train and score every run not done yet (copying a finished run of the same recipe from
     the `reuse` folders where there is one), then compare and write the results. One process
-    at a time writes to an experiment's folder (xformer.locks)."""
+    at a time writes to an experiment's folder (xformer.locks). `jobs` > 1 trains that many
+    runs at once (_in_parallel), except in an experiment whose checks time its runs: timed runs
+    run alone."""
     check_grid_dir(Path(out_dir), "experiment.json", "experiment")
+    emit = on_event or ignore
+    if jobs > 1 and any(check.metric in ("train_speed", "decode_speed") for check in experiment.checks):
+        emit("setup", {"message": f"--jobs {jobs}: this experiment's checks time its runs, so they run one at a "
+                                  "time"})
+        jobs = 1
     with FolderLock(out_dir, "experiment"), StopSignals() as stops:
-        return _run_experiment(experiment, Path(out_dir), device=device, reuse=reuse, emit=on_event or ignore,
-                               stops=stops)
+        return _run_experiment(experiment, Path(out_dir), device=device, reuse=reuse, emit=emit, stops=stops,
+                               jobs=jobs)
 
 
 def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse: list[str | Path],
-                    emit: Event, stops: StopSignals) -> ExperimentResult:
+                    emit: Event, stops: StopSignals, jobs: int = 1) -> ExperimentResult:
     finished = finished_runs(reuse, out_dir)
     scored = _one_test_set(experiment)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -229,36 +243,12 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
     emit("plan", {"runs": len(folders), "done": sum(run_state(out_dir / "runs" / f) == "trained"
                                                     and (out_dir / "runs" / f / "eval.json").is_file()
                                                     for f in folders)})
+    if jobs > 1:
+        _in_parallel(experiment, out_dir, plan, finished, device=device, jobs=jobs, emit=emit, stops=stops)
     for index, (cell, seed) in enumerate(plan):
         stop_if_asked(stops)  # a stop that landed while the last run ended or was scored
-        run_dir = out_dir / "runs" / run_key(cell, seed)
-        state = run_state(run_dir)
-        if state == "new" and not run_dir.exists() and finished:
-            recipe = experiment.recipe(cell, seed)
-            source, rescore = same_run(recipe.to_dict(), finished)
-            if source is not None:
-                rescore = rescore or experiment.config.rescore
-                copy_run(source, run_dir, recipe if rescore else None)
-                emit("reused", {"cell": cell, "seed": seed, "source": str(source), "rescore": rescore})
-                state = "trained"
-        emit("run_start", {"index": index, "cell": cell, "seed": seed, "resume": state == "resume"})
-        diverged = diverged_at(run_dir)  # an earlier attempt's loss stayed non-finite: an outcome, kept
-        if state != "trained" and diverged is None:
-            try:
-                train_to_end(experiment.recipe(cell, seed), run_dir, device=device,
-                             on_fraction=lambda f, index=index: emit("run_progress", {"index": index, "fraction": f}))
-            except DivergedError as exc:
-                diverged = exc.step
-        if diverged is None:
-            rows[(cell, seed)] = _score(run_dir, cell, seed, device)
-        else:
-            rows[(cell, seed)] = _score_diverged(experiment, run_dir, cell, seed, diverged)
-            emit("diverged", rows[(cell, seed)])
-        emit("run_end", rows[(cell, seed)])
-        for budget in experiment.config.budgets[:-1]:  # the curve's cooldowns, branched from that run
-            stop_if_asked(stops)
-            rows[(cell, seed, budget)] = _branched(experiment, out_dir, cell, seed, budget, rows[(cell, seed)],
-                                                   device, emit)
+        rows.update(_train_one(experiment, out_dir, index, cell, seed, device=device, finished=finished, emit=emit,
+                               stops=stops))
     stop_if_asked(stops)
     largest = {key: row for key, row in rows.items() if len(key) == 2}
     curves = None
@@ -278,6 +268,94 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
     result.curves = curves
     write_results(result, out_dir)
     return result
+
+
+def _train_one(experiment: Experiment, out_dir: Path, index: int, cell: str, seed: int, *, device: str,
+               finished: list, emit: Event, stops: StopSignals | None) -> dict[tuple, dict]:
+    """The run of `cell` and `seed` (copied by --reuse where it can be), and its curve's
+    cooldowns, each trained to the end and scored: their rows."""
+    rows: dict[tuple, dict] = {}
+    run_dir = out_dir / "runs" / run_key(cell, seed)
+    state = run_state(run_dir)
+    if state == "new" and not run_dir.exists() and finished:
+        recipe = experiment.recipe(cell, seed)
+        source, rescore = same_run(recipe.to_dict(), finished)
+        if source is not None:
+            rescore = rescore or experiment.config.rescore
+            copy_run(source, run_dir, recipe if rescore else None)
+            emit("reused", {"cell": cell, "seed": seed, "source": str(source), "rescore": rescore})
+            state = "trained"
+    emit("run_start", {"index": index, "cell": cell, "seed": seed, "resume": state == "resume"})
+    diverged = diverged_at(run_dir)  # an earlier attempt's loss stayed non-finite: an outcome, kept
+    if state != "trained" and diverged is None:
+        try:
+            train_to_end(experiment.recipe(cell, seed), run_dir, device=device,
+                         on_fraction=lambda f: emit("run_progress", {"index": index, "fraction": f}))
+        except DivergedError as exc:
+            diverged = exc.step
+    if diverged is None:
+        rows[(cell, seed)] = _score(run_dir, cell, seed, device)
+    else:
+        rows[(cell, seed)] = _score_diverged(experiment, run_dir, cell, seed, diverged)
+        emit("diverged", rows[(cell, seed)])
+    emit("run_end", rows[(cell, seed)])
+    for budget in experiment.config.budgets[:-1]:  # the curve's cooldowns, branched from that run
+        if stops is not None:
+            stop_if_asked(stops)
+        rows[(cell, seed, budget)] = _branched(experiment, out_dir, cell, seed, budget, rows[(cell, seed)],
+                                               device, emit)
+    return rows
+
+
+def _in_parallel(experiment: Experiment, out_dir: Path, plan: list[tuple[str, int]], finished: list, *,
+                 device: str, jobs: int, emit: Event, stops: StopSignals) -> None:
+    """Train and score the plan's runs `jobs` at a time, each (cell, seed) and its cooldowns in a
+    process of its own (`python -m xformer.experiment`) with this process's CPU threads split
+    between them (on CUDA, `jobs` processes share the device). The runs they leave are what
+    one job at a time would have made; the caller then reads them in order."""
+    threads = max(1, torch.get_num_threads() // jobs)
+    waiting = [(cell, seed) for cell, seed in plan
+               if not all(run_state(out_dir / "runs" / run_key(cell, seed, b)) == "trained"
+                          for b in [0, *experiment.config.budgets[:-1]])]
+    running: dict[tuple[str, int], subprocess.Popen] = {}
+    emit("jobs", {"jobs": jobs, "threads": threads, "waiting": len(waiting)})
+    try:
+        while waiting or running:
+            while waiting and len(running) < jobs and not stops.received:
+                cell, seed = waiting.pop(0)
+                fields = {"spec": str(experiment.source), "overrides": experiment.overrides, "out": str(out_dir),
+                          "cell": cell, "seed": seed, "device": device, "threads": threads,
+                          "reuse": [str(f) for f in finished]}
+                log = out_dir / "runs" / f"{run_key(cell, seed)}.job.log"
+                log.parent.mkdir(parents=True, exist_ok=True)
+                with open(log, "w") as stderr:
+                    running[(cell, seed)] = subprocess.Popen(
+                        [sys.executable, "-m", "xformer.experiment", json.dumps(fields)], stdout=subprocess.DEVNULL,
+                        stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                emit("job_start", {"cell": cell, "seed": seed})
+            if stops.received:
+                for process in running.values():  # each stops at a step boundary with its checkpoint
+                    process.send_signal(signal.SIGTERM)
+                for process in running.values():
+                    process.wait()
+                running.clear()
+                stop_if_asked(stops)
+            for key, process in list(running.items()):
+                if process.poll() is None:
+                    continue
+                del running[key]
+                log = out_dir / "runs" / f"{run_key(*key)}.job.log"
+                if process.returncode != 0:
+                    lines = [x for x in log.read_text().splitlines() if x.strip()]
+                    raise RunError(f"{run_key(*key)}: its job stopped ({lines[-1] if lines else process.returncode}); "
+                                   f"see {log}")
+                log.unlink(missing_ok=True)
+                emit("job_end", {"cell": key[0], "seed": key[1]})
+            time.sleep(0.2)
+    finally:
+        for process in running.values():
+            process.send_signal(signal.SIGTERM)
+            process.wait()
 
 
 def _branched(experiment: Experiment, out_dir: Path, cell: str, seed: int, budget: int, stable: dict, device: str,
@@ -453,3 +531,17 @@ def _pin(experiment: Experiment, out_dir: Path) -> None:
     pin(out_dir / "experiment.json", pinned, "this folder holds an experiment with other cells, seeds, budget or "
         "recipe; use another --out (runs of different settings cannot be compared)",
         as_now=lambda old: {"budgets": [], **old})  # folders from before curves
+
+
+def _job(fields: dict) -> None:
+    """One job of _in_parallel: a (cell, seed) and its cooldowns, trained and scored."""
+    torch.set_num_threads(fields["threads"])
+    experiment = load_experiment(fields["spec"], fields["overrides"])
+    finished = [Path(f) for f in fields["reuse"]]
+    with StopSignals() as stops:
+        _train_one(experiment, Path(fields["out"]), -1, fields["cell"], fields["seed"], device=fields["device"],
+                   finished=finished, emit=ignore, stops=stops)
+
+
+if __name__ == "__main__":  # python -m xformer.experiment FIELDS_JSON: one job of --jobs N
+    _job(json.loads(sys.argv[1]))
