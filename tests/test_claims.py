@@ -183,6 +183,7 @@ SPEC = "# Claim: deeper is better\n" + recall_spec([1, 2]) + """
 number = 3
 says = "Two layers beat one."
 scale = "a 4-step toy"
+anchor = "none: a toy"
 
 [[claim.checks]]
 cell = "one"
@@ -369,3 +370,73 @@ def test_the_ledger_regenerates_its_own_file_and_refuses_a_users(ledger, tmp_pat
     kept = runner.invoke(app, [*args, "--out", str(other / "claims.md")])
     assert kept.exit_code == 2 and "depth.json: exists and is not a claim record" in kept.stderr
     assert (other / "claims" / "depth.json").read_text() == '{"mine": 1}' and not (other / "claims.md").exists()
+
+
+def test_a_precondition_is_checked_against_the_test_lengths_and_the_device():
+    from xformer.claims import Precondition, testable
+
+    data = results({"base": BASE, "x": [11.0, 12.1, 12.9]}, {"x": [0.01] * 3})
+    rank = Precondition(what="rank below the sources", cell="x", key="model.rank", below="median_source")
+    assert testable(rank, data, "cpu", 64) == (None, "the test set's lengths were not recorded")
+    data["test_lengths"] = {"median_source": 14.0, "max_source": 40}
+    assert testable(rank, data, "cpu", 64) == (False, "model.rank = 64 against a median source length of 14 tokens")
+    assert testable(rank, data, "cpu", 8)[0] is True
+    longest = Precondition(what="w", cell="x", key="model.window", below="max_source")
+    assert testable(longest, data, "cpu", 40)[0] is False and testable(longest, data, "cpu", 39)[0] is True
+    long_inputs = Precondition(what="long decodes", at_least=128)
+    assert testable(long_inputs, data, "cpu") == (False, "median test input 14 tokens")
+    gpu = Precondition(what="a GPU kernel", device="cuda")
+    assert testable(gpu, data, "cpu") == (False, "measured on cpu")
+    assert testable(gpu, data, "cuda:0")[0] is True
+
+
+def test_replication_is_our_interval_on_the_published_side():
+    from xformer.claims import Claim, replication
+
+    published_loss = Claim(anchor="a paper", anchor_cell="x", anchor_percent=-2.4)
+    down = results({"base": BASE, "x": [9.0, 9.8, 11.2]}, {"x": [0.01] * 3})  # -1.0, -1.2, -0.8
+    found = replication(published_loss, down)
+    assert found["replicated"] == "replicated" and found["ours_percent"] == pytest.approx(-100 / 11)
+    assert "published -2.4%" in found["words"]
+    up = results({"base": BASE, "x": [11.0, 12.1, 12.9]}, {"x": [0.01] * 3})
+    assert replication(published_loss, up)["replicated"] == "not replicated: the other way"
+    noisy = results({"base": BASE, "x": [11.0, 10.5, 13.5]}, {"x": [0.01] * 3})
+    assert replication(published_loss, noisy)["replicated"] == "not replicated: inside the seed noise"
+    assert replication(Claim(anchor="none: no paper"), down) is None
+
+
+@pytest.mark.parametrize(("change", "words"), [
+    (("anchor = \"none: a toy\"\n", ""), "claim.anchor: expected the published number"),
+    (("anchor = \"none: a toy\"\n", "anchor = \"p\"\nanchor_cell = \"three\"\n"), "claim.anchor_cell: expected one"),
+    (("anchor = \"none: a toy\"\n", "anchor = \"p\"\nanchor_cell = \"one\"\n"), "claim.anchor_percent: expected"),
+    (("[[claim.checks]]", "[[claim.preconditions]]\nwhat = \"w\"\nat_least = 5.0\ndevice = \"cuda\"\n\n"
+                         "[[claim.checks]]"), "expected one of below, at_least, device"),
+    (("[[claim.checks]]", "[[claim.preconditions]]\nwhat = \"w\"\nbelow = \"median_source\"\n\n[[claim.checks]]"),
+     "`below` tests a recipe value"),
+])
+def test_a_spec_names_its_anchor_and_well_formed_preconditions(tmp_path, change, words):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "bad.toml").write_text(SPEC.replace(*change))
+    result = runner.invoke(app, ["claims", str(specs), "--runs", str(tmp_path / "runs"), "--out",
+                                 str(tmp_path / "claims.md")])
+    assert result.exit_code == 2 and words in result.output, result.output
+
+
+def test_the_ledger_says_not_testable_here_when_a_precondition_fails(ledger, tmp_path):
+    """The toy's inputs are 32 tokens: a precondition asking for 1,000 fails, so the measured
+    verdict is kept in the section and the claim reads "not testable here", with the reason."""
+    from xformer.ledger import build_ledger
+
+    folder, specs, out, report = ledger
+    mine = tmp_path / "specs"
+    mine.mkdir()
+    (mine / "depth.toml").write_text((specs / "depth.toml").read_text() + "\n[[claim.preconditions]]\n"
+                                     "what = \"inputs of 1,000 tokens\"\nat_least = 1000.0\n")
+    rebuilt = build_ledger(mine, folder / "runs", tmp_path / "claims.md", tmp_path / "records")
+    row = rebuilt.rows[0]
+    assert row["verdict"] == "not testable here" and row["measured_verdict"] == report["rows"][1]["verdict"]
+    lengths = row["record"]["results"]["test_lengths"]
+    assert lengths["median_source"] == lengths["max_source"] == 32  # recall at data.max_len 32
+    assert "Not testable here: inputs of 1,000 tokens (median test input 32 tokens)" in \
+        (tmp_path / "claims.md").read_text()

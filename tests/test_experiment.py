@@ -415,6 +415,7 @@ CURVE_CLAIM = """
 [claim]
 number = 2
 says = "Two layers beat one."
+anchor = "none: a toy"
 
 [[claim.checks]]
 cell = "one"

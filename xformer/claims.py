@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from xformer.cpuload import BUSY_OVER, busy
@@ -55,6 +55,7 @@ from xformer.strict import did_you_mean, section_from_dict
 
 Expect = Literal["better", "worse", "not_better", "not_worse", "same"]
 Metric = Literal["test", "train_speed", "decode_speed", "decode_memory"]
+Length = Literal["", "median_source", "max_source"]
 METRIC_KEYS = {"test": "test", "train_speed": "train_steps_per_s", "decode_speed": "decode_per_s",
                "decode_memory": "decode_cache_mb"}  # in results.json
 SIZES = ("decode_memory",)  # where better / worse mean larger / smaller
@@ -75,6 +76,18 @@ class Check:
 
 
 @dataclass
+class Precondition:
+    """When a claim is testable here; one of `below`, `at_least`, `device`."""
+
+    what: str = ""  # the condition in words, e.g. "rank 64 below the sources it compresses"
+    cell: str = ""  # with `below`: the cell whose recipe value `key` is tested
+    key: str = ""  # "section.name", e.g. "model.low_rank"
+    below: Length = ""  # the value must be under this length of the test set's inputs (tokens)
+    at_least: float = 0.0  # the test set's median input length must be at least this many tokens
+    device: str = ""  # "cuda": the runs must have been made on a CUDA device
+
+
+@dataclass
 class Claim:
     number: int = 0
     says: str = ""  # the claim as it circulates
@@ -82,6 +95,12 @@ class Claim:
     scale: str = ""  # why this measurement may not transfer (model size, budget, data)
     blocked: str = ""  # what xformer lacks to measure it; "" when the spec has an [experiment]
     looked: str = ""  # what a second look at a flagged result found (the ledger prints it beside the flag)
+    # the published number beside ours: paper, table, setting and numbers, or "none: why"
+    anchor: str = ""
+    anchor_cell: str = ""  # the cell whose published effect against the baseline anchor_percent gives
+    anchor_percent: float = 0.0  # that effect, signed, in % of the baseline's published score
+    # [[claim.preconditions]]: when the claim is testable here (filled by claim_from_table)
+    preconditions: list[Precondition] = field(default_factory=list)
 
 
 @dataclass
@@ -100,6 +119,7 @@ def claim_from_table(table: dict, cells: list[str] | None, where: str,
     problems: list[str] = []
     table = dict(table)
     raws = table.pop("checks", [])
+    conditions = table.pop("preconditions", [])
     if not isinstance(raws, list):
         problems.append(f"claim.checks: expected [[claim.checks]] tables, found {raws!r}")
         raws = []
@@ -127,6 +147,33 @@ def claim_from_table(table: dict, cells: list[str] | None, where: str,
                 if check.cell == (check.than or baseline):
                     problems.append(f"{name}: compares {check.cell!r} with itself; name another cell in `than`")
             checks.append(check)
+        if cells is not None and not claim.anchor.strip():
+            problems.append("claim.anchor: expected the published number beside ours (paper, table, setting, "
+                            "numbers), or \"none: why\"")
+        if claim.anchor_cell and claim.anchor_cell not in (cells or []):
+            problems.append(f"claim.anchor_cell: expected one of the cells, found {claim.anchor_cell!r}"
+                            f"{did_you_mean(claim.anchor_cell, cells or [])}")
+        if claim.anchor_cell and not claim.anchor_percent:
+            problems.append("claim.anchor_percent: expected the published effect of anchor_cell, in % of the "
+                            "baseline's score, found 0")
+        claim.preconditions = []
+        if not isinstance(conditions, list):
+            problems.append(f"claim.preconditions: expected [[claim.preconditions]] tables, found {conditions!r}")
+            conditions = []
+        for i, raw in enumerate(conditions):
+            name = f"claim.preconditions[{i}]"
+            condition, ok = section_from_dict(Precondition, name, raw if isinstance(raw, dict) else {}, problems)
+            if not ok:
+                continue
+            kinds = [k for k in ("below", "at_least", "device") if getattr(condition, k)]
+            if len(kinds) != 1:
+                problems.append(f"{name}: expected one of below, at_least, device, found {kinds or 'none'}")
+            if not condition.what.strip():
+                problems.append(f"{name}.what: expected the condition in words")
+            if condition.below and (condition.cell not in (cells or []) or condition.key.count(".") != 1):
+                problems.append(f"{name}: `below` tests a recipe value: expected cell (one of the cells) and key "
+                                f"(section.name), found cell {condition.cell!r}, key {condition.key!r}")
+            claim.preconditions.append(condition)
     return claim, checks, [f"{where}: {p}" for p in problems]
 
 
@@ -281,6 +328,49 @@ def half_width(diffs: list[float]) -> float:
         return math.inf
     t = T975[n - 2] if n - 1 <= len(T975) else 1.960
     return t * statistics.stdev(diffs) / math.sqrt(n)
+
+
+def testable(condition: Precondition, results: dict, device: str | None, value=None) -> tuple[bool | None, str]:
+    """Whether a precondition holds for these results (None: not measurable), and what was found.
+    `device`: where the runs were made; `value`: the cell's recipe value at condition.key."""
+    lengths = results.get("test_lengths")
+    if condition.device:
+        found = device or "unknown"
+        return found.startswith(condition.device), f"measured on {found}"
+    if lengths is None:
+        return None, "the test set's lengths were not recorded"
+    if condition.at_least:
+        median = lengths["median_source"]
+        return median >= condition.at_least, f"median test input {median:g} tokens"
+    limit = lengths[condition.below]
+    words = condition.below.replace("_", " ")
+    return value < limit, f"{condition.key} = {value} against a {words} length of {limit:g} tokens"
+
+
+def replication(claim: Claim, results: dict) -> dict | None:
+    """Ours beside the published effect of claim.anchor_cell against the baseline: the
+    direction replicates when our 95% interval excludes 0 on the published side; the size is
+    compared as relative effects (% of the baseline)."""
+    if not claim.anchor_cell:
+        return None
+    seeds, base = results["seeds"], results["baseline"]
+    scores = {(r["cell"], r["seed"]): r["test"] for r in results["runs"]}
+    diffs = [scores[(claim.anchor_cell, s)] - scores[(base, s)] for s in seeds]
+    mean, half = statistics.fmean(diffs), half_width(diffs)
+    base_mean = statistics.fmean(scores[(base, s)] for s in seeds)
+    toward = (1 if claim.anchor_percent > 0 else -1) * mean  # along the published direction
+    if toward - half > 0:
+        replicated = "replicated"
+    elif toward + half < 0:
+        replicated = "not replicated: the other way"
+    else:
+        replicated = "not replicated: inside the seed noise"
+    ours = 100 * mean / base_mean if base_mean else math.inf
+    return {"cell": claim.anchor_cell, "replicated": replicated, "ours_percent": ours,
+            "published_percent": claim.anchor_percent,
+            "words": f"{claim.anchor_cell}: ours {ours:+.1f}% (95% interval {100 * (mean - half) / base_mean:+.1f}% to "
+                     f"{100 * (mean + half) / base_mean:+.1f}%), published {claim.anchor_percent:+.1f}%: {replicated}"
+            if base_mean else f"{claim.anchor_cell}: a baseline of 0, no relative effect: {replicated}"}
 
 
 def _in_words(check: Check, text: str) -> str:

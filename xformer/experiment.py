@@ -266,6 +266,7 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
             row["budget"] = experiment.config.budgets[-1]
     result = _compare(experiment, largest, scored, out_dir)
     result.curves = curves
+    result.test_lengths = _test_lengths(experiment, out_dir)
     write_results(result, out_dir)
     return result
 
@@ -490,6 +491,22 @@ def _compare(experiment: Experiment, rows: dict, scored: list, out_dir: Path) ->
         budget = f"{c.budgets[-1]} steps (wsd; a curve at {', '.join(map(str, c.budgets))})"
     return ExperimentResult(metric=metric, baseline=c.baseline, seeds=c.seeds, budget_per_run=budget,
                             cells=cells, runs=[rows[k] for k in sorted(rows)], source=str(experiment.source))
+
+
+def _test_lengths(experiment: Experiment, out_dir: Path) -> dict:
+    """The lengths of the test set's inputs in tokens (translation: source pieces of the
+    baseline's tokenizer), which a claim's preconditions compare with (a rank, a window)."""
+    c = experiment.config
+    recipe = experiment.recipe(c.baseline, c.seeds[0])
+    task = make_task(recipe)
+    task.load_vocabulary(out_dir / "runs" / run_key(c.baseline, c.seeds[0]))
+    if recipe.data.task == "translation":
+        d = recipe.data
+        rows = load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None)
+        lengths = [len(ids) for ids in task.tokenizer.encode(list(rows[d.source_lang]), "source")]
+    else:
+        lengths = [int(n) for n in task.examples(None, None)[0].lens]
+    return {"median_source": float(statistics.median(lengths)), "max_source": max(lengths)}
 
 
 def _mean(values: list) -> float | None:

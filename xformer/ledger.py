@@ -26,6 +26,8 @@ from xformer.claims import (
     convergence,
     describe,
     judge,
+    replication,
+    testable,
     verdict,
 )
 from xformer.errors import RecipeError, RunError
@@ -182,7 +184,7 @@ def _is_record(path: Path) -> bool:
 
 def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict | None) -> dict:
     row = {"number": claim.number, "says": claim.says, "source": claim.source, "scale": claim.scale,
-           "spec": path.as_posix(), "name": path.stem}
+           "spec": path.as_posix(), "name": path.stem, "anchor": claim.anchor}
     if experiment is None:
         return {**row, "verdict": "not measurable yet", "blocked": claim.blocked}
     cells = ", ".join(f"{name} ({' '.join(sets) or 'the recipe'})" for name, sets in experiment.cells.items())
@@ -196,20 +198,34 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
     results = record["results"]
     outcomes = [judge(check, results) for check in experiment.checks]
     measured = verdict(outcomes)
+    untestable = []  # the preconditions that fail here, or cannot be checked
+    for condition in claim.preconditions:
+        value = _value(experiment.recipe(condition.cell, c.seeds[0]), condition.key) if condition.below else None
+        holds, found = testable(condition, results, record["hardware"].get("device"), value)
+        if holds is not True:
+            untestable.append(f"{condition.what} ({found}{'' if holds is False else ': not checked'})")
     converged = convergence(results, c.baseline, c.reference)
     if not any(check.metric == "test" for check in experiment.checks):  # a speed or a size: training does not move it
         converged = {**converged, "converged": True, "reason": "not needed: speed and memory checks only"}
     shown = measured if converged["converged"] else (
         "inconclusive: convergence not measured" if converged["converged"] is None else "inconclusive: undertrained")
+    if untestable:
+        shown = "not testable here"
     at_budgets = [{"budget": curve["budget"], "verdict": verdict([judge(check, {**results, **curve})
                                                                    for check in experiment.checks]),
                    "order": [cell["cell"] for cell in sorted(curve["cells"], key=lambda cell: -cell["test_mean"])]}
                   for curve in results.get("curves") or []]
+    row.update(untestable=untestable, replication=replication(claim, results), reference=c.reference)
     return {**row, "verdict": shown, "measured_verdict": measured, "convergence": converged, "budgets": at_budgets,
             "flags": flags(results, c.baseline), "looked": claim.looked, "record": record,
             "differences": record.get("differences"),
             "checks": [{"check": describe(o.check, c.baseline), "verdict": o.verdict, "reason": o.reason,
                         "cell": o.check.cell, "metric": o.check.metric} for o in outcomes]}
+
+
+def _value(recipe, key: str):
+    section, name = key.split(".")
+    return getattr(getattr(recipe, section), name)
 
 
 AHEAD = {"bleu": 2.0, "accuracy": 5.0}  # a variant this far ahead of its baseline gets a second look
@@ -233,11 +249,13 @@ def flags(results: dict, baseline: str) -> list[str]:
 
 
 def _markdown(rows: list[dict]) -> str:
-    lines = [HEADER, "| # | claim | verdict | measured (mean over seeds; vs the baseline) | spec |",
-             "|---|---|---|---|---|"]
+    lines = [HEADER, "| # | claim | verdict | measured (mean over seeds; vs the baseline) | seeds, budget judged | "
+                     "baseline vs reference | published effect | spec |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         shown = r["verdict"] + (" (not the recipe's settings)" if r.get("differences") else "")
-        lines.append(f"| {r['number']} | {r['says']} | {shown} | {_measured(r)} | [`{r['name']}`](#{r['name']}) |")
+        lines.append(f"| {r['number']} | {r['says']} | {shown} | {_measured(r)} | {_design(r)} | {_reference(r)} | "
+                     f"{_anchored(r)} | [`{r['name']}`](#{r['name']}) |")
     for r in rows:
         lines += ["", f"## {r['name']}", "", f"> {r['says']}" + (f" ({r['source']})" if r["source"] else ""),
                   "", f"Claim {r['number']} of the list.", ""]
@@ -247,6 +265,12 @@ def _markdown(rows: list[dict]) -> str:
                      for v in ("supported", "contradicted")}
             on = f" Supported: {parts['supported']}. Contradicted: {parts['contradicted']}."
         lines.append(f"**Verdict: {r['verdict']}.**{on}" + (f" Scale: {r['scale']}" if r["scale"] else ""))
+        if r.get("untestable"):
+            lines += ["", "Not testable here: " + "; ".join(r["untestable"]) + f". Measured verdict, not given: "
+                          f"{r['measured_verdict']}."]
+        if r.get("anchor"):
+            lines += ["", f"Anchor: {r['anchor']}" + (f" Replication: {r['replication']['words']}."
+                                                      if r.get("replication") else "")]
         if "convergence" in r:
             lines += ["", f"Convergence: {r['convergence']['reason']}." + (
                 f" Measured verdict, not given: {r['measured_verdict']}." if r["verdict"] != r["measured_verdict"]
@@ -282,6 +306,34 @@ def _markdown(rows: list[dict]) -> str:
         lines += ["", "Checks:", ""]
         lines += [f"- {c['check']}: **{c['verdict']}** ({c['reason']})" for c in r["checks"]]
     return "\n".join(lines) + "\n"
+
+
+def _design(row: dict) -> str:
+    if "record" not in row:
+        return ""
+    res = row["record"]["results"]
+    return f"{len(res['seeds'])}, {res['budget_per_run']}"
+
+
+def _reference(row: dict) -> str:
+    if "record" not in row:
+        return ""
+    if not row.get("reference"):
+        return "no reference"
+    res = row["record"]["results"]
+    base = next(c for c in res["cells"] if c["cell"] == res["baseline"])["test_mean"]
+    return f"{base:.2f} of {row['reference']:g} ({100 * base / row['reference']:.0f}%)"
+
+
+def _anchored(row: dict) -> str:
+    if not row.get("anchor"):
+        return ""
+    if row["anchor"].lower().startswith("none"):
+        return "none published"
+    if row.get("replication"):  # judged only beside a verdict: not from an undertrained or untestable run
+        given = row["verdict"] == row.get("measured_verdict")
+        return row["replication"]["replicated"] if given else "not judged (no verdict)"
+    return "no number to compare" if "record" in row else "cited"
 
 
 def _settings(differences: list[dict] | None) -> str:

@@ -160,6 +160,7 @@ class ExperimentResult(Result):
     # with experiment.budgets: per budget, {"budget", "cells", "runs"} as above (the largest is
     # `cells` and `runs` themselves, the others cooldowns branched from them)
     curves: list[dict] | None = None
+    test_lengths: dict | None = None  # the test inputs' median and longest length in tokens ("median_source", ...)
 
 
 @dataclass
