@@ -440,3 +440,23 @@ def test_the_ledger_says_not_testable_here_when_a_precondition_fails(ledger, tmp
     assert lengths["median_source"] == lengths["max_source"] == 32  # recall at data.max_len 32
     assert "Not testable here: inputs of 1,000 tokens (median test input 32 tokens)" in \
         (tmp_path / "claims.md").read_text()
+
+
+def test_runs_made_differently_are_refused_or_flagged():
+    """A chain may cross machines: another precision or device refuses a verdict, another CPU
+    does for a timing only, and is flagged otherwise, as is another code version."""
+    from xformer.ledger import disagreements
+
+    data = results({"base": BASE, "x": [11.0, 12.1, 12.9]}, {"x": [0.01] * 3})
+    for run in data["runs"]:
+        run["machine"] = {"cpu": "AMD EPYC", "device": "cpu", "precision": "fp32", "torch": "2.13.0", "commit": "a"}
+    assert disagreements(data, timed=False) == {"refuse": [], "flag": []}
+    data["runs"][0]["machine"] = {**data["runs"][0]["machine"], "cpu": "Intel Xeon", "commit": "b"}
+    assert disagreements(data, timed=False) == {"refuse": [], "flag": [
+        "runs made with different cpu: AMD EPYC, Intel Xeon", "runs made with different commit: a, b"]}
+    assert disagreements(data, timed=True)["refuse"] == ["cpu (AMD EPYC, Intel Xeon)"]
+    data["runs"][1]["machine"] = {**data["runs"][1]["machine"], "precision": "bf16"}
+    assert "precision (bf16, fp32)" in disagreements(data, timed=False)["refuse"]
+    for run in data["runs"]:
+        run.pop("machine")  # records from before machines were kept: nothing to compare
+    assert disagreements(data, timed=True) == {"refuse": [], "flag": []}

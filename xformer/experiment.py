@@ -424,7 +424,14 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
             # the decoder's KV cache at its largest (one batch): the model's, wherever it was decoded
             "decode_cache_mb": test.get("kv_cache_mb"),
             "predictions": test.get("predictions"), "copied_from": copied and copied["source"],
-            "run_dir": str(run_dir)}
+            "machine": machine(trained.get("card", {})), "run_dir": str(run_dir)}
+
+
+def machine(card: dict) -> dict:
+    """What a run was made on and with, from its run card: runs of one comparison must agree on
+    the device and precision (and, for a timing, on the CPU); the ledger checks (xformer.ledger)."""
+    return {"cpu": card.get("cpu"), "device": card.get("device"), "precision": card.get("precision"),
+            "torch": card.get("versions", {}).get("torch"), "commit": card.get("git_commit")}
 
 
 def diverged_at(run_dir: Path) -> int | None:

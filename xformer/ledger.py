@@ -211,16 +211,34 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
         "inconclusive: convergence not measured" if converged["converged"] is None else "inconclusive: undertrained")
     if untestable:
         shown = "not testable here"
+    differing = disagreements(results, timed=any(check.metric in ("train_speed", "decode_speed")
+                                                 for check in experiment.checks))
+    if differing["refuse"]:
+        shown = "not comparable: the runs differ in " + "; ".join(differing["refuse"])
     at_budgets = [{"budget": curve["budget"], "verdict": verdict([judge(check, {**results, **curve})
                                                                    for check in experiment.checks]),
                    "order": [cell["cell"] for cell in sorted(curve["cells"], key=lambda cell: -cell["test_mean"])]}
                   for curve in results.get("curves") or []]
     row.update(untestable=untestable, replication=replication(claim, results), reference=c.reference)
     return {**row, "verdict": shown, "measured_verdict": measured, "convergence": converged, "budgets": at_budgets,
-            "flags": flags(results, c.baseline), "looked": claim.looked, "record": record,
+            "flags": flags(results, c.baseline) + differing["flag"], "looked": claim.looked, "record": record,
             "differences": record.get("differences"),
             "checks": [{"check": describe(o.check, c.baseline), "verdict": o.verdict, "reason": o.reason,
                         "cell": o.check.cell, "metric": o.check.metric} for o in outcomes]}
+
+
+def disagreements(results: dict, *, timed: bool) -> dict:
+    """Where the runs of one record were made differently (a chain may cross machines): device
+    or precision differing, or the CPU where the claim is a timing, refuse a verdict; the CPU,
+    torch or code version differing otherwise is flagged. Runs recorded before machines were
+    kept are not compared."""
+    found = {key: sorted({str(r["machine"].get(key)) for r in results["runs"] if r.get("machine")})
+             for key in ("device", "precision", "cpu", "torch", "commit")}
+    refuse = [f"{key} ({', '.join(values)})" for key, values in found.items() if len(values) > 1
+              and (key in ("device", "precision") or (timed and key == "cpu"))]
+    flag = [f"runs made with different {key}: {', '.join(values)}" for key, values in found.items()
+            if len(values) > 1 and not (key in ("device", "precision") or (timed and key == "cpu"))]
+    return {"refuse": refuse, "flag": flag}
 
 
 def _value(recipe, key: str):
