@@ -178,7 +178,7 @@ def test_a_baseline_still_improving_or_short_of_its_reference_has_not_converged(
     assert convergence(data, "base")["converged"] is None
 
 
-SPEC = "# Claim: deeper is better\n" + recall_spec([1, 2]) + """
+SPEC = "# Claim: deeper is better\n" + recall_spec([1, 2, 3]) + """
 [claim]
 number = 3
 says = "Two layers beat one."
@@ -265,6 +265,14 @@ def test_the_ledger_gives_no_verdict_from_an_undertrained_baseline(ledger, tmp_p
     assert "| 3 | Two layers beat one. | inconclusive: undertrained |" in text
     assert "Convergence: two gained 100.0% on validation over its last doubling of steps (rule: under 1%)" in text
     assert f"Measured verdict, not given: {row['measured_verdict']}." in text
+    # two seeds are no design for a verdict, converged or not
+    for run in record["results"]["runs"]:
+        run["curve"] = [[2, 0.4], [4, 0.4]]
+    record["results"]["runs"] = [r for r in record["results"]["runs"] if r["seed"] != 3]
+    record["results"]["seeds"] = [1, 2]
+    (records / "depth.json").write_text(json.dumps(record))
+    rebuilt = build_ledger(specs, tmp_path / "no-runs", tmp_path / "claims.md", records)
+    assert next(r for r in rebuilt.rows if r["name"] == "depth")["verdict"] == "inconclusive: 2 seeds (3 needed)"
 
 
 def test_the_ledger_regenerates_from_its_records_when_the_runs_are_gone(ledger, tmp_path):

@@ -56,7 +56,8 @@ verdict says which; a claim with a contradicted part and no supported one is con
 *inconclusive* otherwise. No verdict is given from a baseline that has not converged: its
 validation score must have gained less than 1% over the last doubling of its steps, and reach
 90% of the reference score measured for its scale where there is one; else the verdict is
-*inconclusive: undertrained*, with both numbers (the measured one stays in the claim's section).
+*inconclusive: undertrained*, with both numbers (the measured one stays in the claim's section),
+and none from fewer than 3 seeds a cell.
 A variant more than 2 BLEU (5 accuracy points) ahead of its baseline is flagged for a second
 look. Every verdict holds at the stated scale only: these are Multi30k- and CPU-sized models,
 not WMT-sized ones.
@@ -209,6 +210,8 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
         converged = {**converged, "converged": True, "reason": "not needed: speed and memory checks only"}
     shown = measured if converged["converged"] else (
         "inconclusive: convergence not measured" if converged["converged"] is None else "inconclusive: undertrained")
+    if len(results["seeds"]) < MIN_SEEDS:
+        shown = f"inconclusive: {len(results['seeds'])} seed{'s' * (len(results['seeds']) > 1)} ({MIN_SEEDS} needed)"
     if untestable:
         shown = "not testable here"
     differing = disagreements(results, timed=any(check.metric in ("train_speed", "decode_speed")
@@ -246,6 +249,7 @@ def _value(recipe, key: str):
     return getattr(getattr(recipe, section), name)
 
 
+MIN_SEEDS = 3  # fewer cannot put an interval on the seed-to-seed spread worth a verdict
 AHEAD = {"bleu": 2.0, "accuracy": 5.0}  # a variant this far ahead of its baseline gets a second look
 
 
