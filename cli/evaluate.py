@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.table import Table
 
-from xformer.evaluate import evaluate_run, translate_lines
+from xformer.evaluate import CannotExtrapolate, evaluate_run, translate_lines
 from xformer.results import ClassificationEval, TranslationEval
 from xformer_cli.common import (
     CheckpointOption,
@@ -49,17 +50,25 @@ def evaluate(
                                                        "the same task) and report the paired test between the "
                                                        "two: sacreBLEU's paired bootstrap for translation, "
                                                        "McNemar's exact test for classification.")] = None,
+    length: Annotated[int | None, typer.Option("--length", min=1, metavar="N",
+                                               help="A generated task's examples at N tokens instead of the "
+                                                    "run's data.max_len (extrapolation).")] = None,
     as_json: JsonOption = False,
 ) -> None:
     """Score a run on a test set: translation with beam search, sacreBLEU (cased and lowercased)
     and chrF; classification with accuracy and a confusion matrix."""
-    flags = flags_named("split", "data", "device", "quantize", "ctranslate2", "baseline")
-    with flags, passing_bar(console) as progress:
-        bar = progress.add_task("decoding", total=None)
-        result = evaluate_run(run, split=split, data=data, beam=beam, lenpen=lenpen, checkpoint=checkpoint,
-                              device=device, quantize=quantize.value if quantize else None,
-                              ctranslate2=str(ctranslate2) if ctranslate2 else None, baseline=baseline,
-                              on_progress=lambda done, total: progress.update(bar, completed=done, total=total))
+    flags = flags_named("split", "data", "device", "quantize", "ctranslate2", "baseline", "length")
+    try:
+        with flags, passing_bar(console) as progress:
+            bar = progress.add_task("decoding", total=None)
+            result = evaluate_run(run, split=split, data=data, beam=beam, lenpen=lenpen, checkpoint=checkpoint,
+                                  device=device, quantize=quantize.value if quantize else None,
+                                  ctranslate2=str(ctranslate2) if ctranslate2 else None, baseline=baseline,
+                                  length=length,
+                                  on_progress=lambda done, total: progress.update(bar, completed=done, total=total))
+    except CannotExtrapolate as cannot:  # a result about the model, not a mistake in the command
+        typer.echo(json.dumps({"length": length, "cannot": str(cannot)}) if as_json else f"{run}: {cannot}")
+        return
     for warning in result.warnings or []:
         typer.echo(f"warning: {warning}", err=True)
     if as_json:

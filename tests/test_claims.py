@@ -468,3 +468,12 @@ def test_runs_made_differently_are_refused_or_flagged():
     for run in data["runs"]:
         run.pop("machine")  # records from before machines were kept: nothing to compare
     assert disagreements(data, timed=True) == {"refuse": [], "flag": []}
+
+
+def test_a_check_at_a_length_needs_the_runs_scored_there(tmp_path):
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "bad.toml").write_text(SPEC + "length = 64\n")
+    result = runner.invoke(app, ["claims", str(specs), "--runs", str(tmp_path / "runs"), "--out",
+                                 str(tmp_path / "claims.md")])
+    assert result.exit_code == 2 and "length 64 is not one of experiment.lengths (none)" in result.output

@@ -455,3 +455,37 @@ def test_jobs_2_makes_the_runs_jobs_1_makes(tmp_path, monkeypatch):
         theirs, _ = read_checkpoint(tmp_path / "two" / "runs" / run.name / "checkpoints" / "last.safetensors")
         assert all(torch.equal(mine[k], theirs[k]) for k in mine if k.startswith(("model.", "optim."))), run.name
     assert not list((tmp_path / "two" / "runs").glob("*.job.log"))  # a job's log goes once it succeeded
+
+
+def test_runs_are_scored_at_longer_lengths_and_learned_positions_cannot_go_past_their_table(tmp_path):
+    """experiment.lengths: each run's best checkpoint scored on its task generated at 40 and 64
+    tokens (trained at 32). Sinusoidal positions are a formula and score at both; learned
+    positions with a 48-position table score at 40 (on positions never trained) and "cannot
+    extrapolate" to 64, which is a result (scored 0, the reason kept), not an error. A check
+    compares a cell with itself at another length."""
+    from xformer.claims import Check, judge
+
+    spec = tmp_path / "lengths.toml"
+    cells = 'one = ["model.positional=learned", "model.max_positions=48"]\ntwo = ["model.positional=sinusoidal"]'
+    spec.write_text(recall_spec([1, 2, 3]).replace('one = ["model.n_encoder_layers=1"]\ntwo = []', cells)
+                    .replace("max_steps = 4", "max_steps = 4\nlengths = [40, 64]"))
+    made = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "out"), "--device", "cpu", "--json"])
+    assert made.exit_code == 0, made.output
+    report = json.loads(made.stdout.strip().splitlines()[-1])
+    for row in report["runs"]:
+        assert set(row["test_at"]) == {"40", "64"}
+        scored = json.loads((tmp_path / "out" / "runs" / f"{row['cell']}-s{row['seed']}" / "eval" /
+                             "test.len40.best.json").read_text())
+        assert row["test_at"]["40"] == scored["accuracy"] and scored["split"] == "test.len40"
+        if row["cell"] == "one":
+            assert row["test_at"]["64"] == 0.0 and "model.max_positions = 48" in row["cannot"]["64"]
+        else:
+            assert "cannot" not in row
+    run = tmp_path / "out" / "runs" / "two-s1"
+    assert json.loads((run / "eval.json").read_text())["split"] == "test"  # the run's own score stays its own
+    outcome = judge(Check("one", "worse", than="one", length=64), report)
+    assert "one at 64 - one per seed" in outcome.reason and "cannot extrapolate (scored 0): one at 64" in outcome.reason
+    shown = runner.invoke(app, ["eval", str(tmp_path / "out" / "runs" / "one-s1"), "--length", "64", "--device", "cpu"])
+    assert shown.exit_code == 0 and "cannot extrapolate to 64 tokens" in shown.output
+    refused = runner.invoke(app, ["eval", str(tmp_path / "out" / "runs" / "one-s1"), "--length", "0"])
+    assert refused.exit_code == 2

@@ -73,6 +73,8 @@ class Check:
     up_to: float = 0.0  # better / worse: the claimed gap's upper end, in the unit of percent or points; 0: none
     metric: Metric = "test"  # the test score, or a speed: training steps a second, test sentences decoded
     # (or test examples classified) a second
+    length: int = 0  # the cell's test score at this length (experiment.lengths) instead of the training one
+    than_length: int = 0  # the same for `than`; a cell may then be compared with itself at another length
 
 
 @dataclass
@@ -144,8 +146,11 @@ def claim_from_table(table: dict, cells: list[str] | None, where: str,
             check, ok = section_from_dict(Check, name, raw, problems)
             if ok:
                 problems += _check_problems(check, cells or [], name)
-                if check.cell == (check.than or baseline):
-                    problems.append(f"{name}: compares {check.cell!r} with itself; name another cell in `than`")
+                if check.cell == (check.than or baseline) and check.length == check.than_length:
+                    problems.append(f"{name}: compares {check.cell!r} with itself; name another cell in `than`, or "
+                                    "another length (length, than_length)")
+                if (check.length or check.than_length) and check.metric != "test":
+                    problems.append(f"{name}: length and than_length compare test scores (metric = \"test\")")
             checks.append(check)
         if cells is not None and not claim.anchor.strip():
             problems.append("claim.anchor: expected the published number beside ours (paper, table, setting, "
@@ -206,9 +211,12 @@ def judge(check: Check, results: dict) -> Outcome:
     """Judge one check against an experiment's results.json (xformer.experiment): on the
     seed-paired mean difference and its 95% t-interval across seeds (module docstring)."""
     than = check.than or results["baseline"]
-    scores = {(r["cell"], r["seed"]): r.get(METRIC_KEYS[check.metric]) for r in results["runs"]}
     seeds = results["seeds"]
-    if any(scores[(c, s)] is None for c in (check.cell, than) for s in seeds):
+    mine, theirs = (_scores(results, check.metric, length) for length in (check.length, check.than_length))
+    # the cell and what it is compared with, seed by seed (itself at another length, it may be)
+    scores = {("mine", s): mine[(check.cell, s)] for s in seeds} | {("theirs", s): theirs[(than, s)] for s in seeds}
+    a, b = "mine", "theirs"
+    if any(scores[(c, s)] is None for c in (a, b) for s in seeds):
         how = "measured" if check.metric in SIZES else "timed"
         return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was not {how} in these runs")
     if check.metric in OTHERS_KEYS:
@@ -218,20 +226,28 @@ def judge(check: Check, results: dict) -> Outcome:
             return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was timed while other processes "
                                                   f"took more than {BUSY_OVER:g} CPU cores: {', '.join(crowded)}; "
                                                   "rerun those runs alone")
-    diffs = [scores[(check.cell, s)] - scores[(than, s)] for s in seeds]
-    base = statistics.fmean(scores[(than, s)] for s in seeds)
+    diffs = [scores[(a, s)] - scores[(b, s)] for s in seeds]
+    base = statistics.fmean(scores[(b, s)] for s in seeds)
     margin = check.points or base * check.percent / 100
     upper = (base * check.up_to / 100 if check.percent else check.up_to) if check.up_to else math.inf
     claimed = claimed_gap(check)
     timed = check.metric != "test"
     mean, half = statistics.fmean(diffs), half_width(diffs)
     low, high = mean - half, mean + half
-    p_values = _p_values(results, check.cell) if than == results["baseline"] and not timed else None
+    at_lengths = bool(check.length or check.than_length)
+    p_values = _p_values(results, check.cell) if than == results["baseline"] and not timed and not at_lengths \
+        else None
     beside = (f"; paired bootstrap p per seed {', '.join(f'{p:.3f}' for p in p_values)}" if p_values is not None
               and results.get("metric") == "bleu" else f"; McNemar p per seed {', '.join(f'{p:.3f}' for p in p_values)}"
               if p_values is not None else "")
     shown = ", ".join(_relative(d, base) for d in diffs)
-    said = (f"{check.cell} - {than}{'' if not timed else ' ' + METRIC_KEYS[check.metric]} per seed: {shown}; "
+    named = (f"{check.cell}{f' at {check.length}' if check.length else ''} - "
+             f"{than}{f' at {check.than_length}' if check.than_length else ''}")
+    cannot = sorted({f"{r['cell']} at {n}" for r in results["runs"] for n in (r.get("cannot") or {})
+                     if r["cell"] in (check.cell, than) and int(n) in (check.length, check.than_length)})
+    if cannot:  # no positions that far: scored as no correct answer
+        beside += f"; cannot extrapolate (scored 0): {', '.join(cannot)}"
+    said = (f"{named}{'' if not timed else ' ' + METRIC_KEYS[check.metric]} per seed: {shown}; "
             f"mean {mean:+.2f}, 95% t-interval [{low:+.2f}, {high:+.2f}] over {len(diffs)} seeds (the smallest "
             f"difference they can detect: {half:.2f}){beside}")
 
@@ -387,10 +403,19 @@ def claimed_gap(check: Check) -> str:
     return text + (f" to {check.up_to:g}{unit}" if check.up_to else "")
 
 
+def _scores(results: dict, metric: str, length: int) -> dict:
+    """{(cell, seed): the metric} of every run, at `length` where one is given."""
+    if not length:
+        return {(r["cell"], r["seed"]): r.get(METRIC_KEYS[metric]) for r in results["runs"]}
+    return {(r["cell"], r["seed"]): (r.get("test_at") or {}).get(str(length)) for r in results["runs"]}
+
+
 def describe(check: Check, baseline: str) -> str:
     """What the check says, e.g. "gelu better than relu by 0.5% to 1%"."""
     speed = "" if check.metric == "test" else f" in {check.metric.replace('_', ' ')}"
-    words = f"{check.cell}{speed} {_in_words(check, check.expect.replace('_', ' '))} than {check.than or baseline}"
+    at, than_at = (f" at {n} tokens" if n else "" for n in (check.length, check.than_length))
+    words = (f"{check.cell}{at}{speed} {_in_words(check, check.expect.replace('_', ' '))} than "
+             f"{check.than or baseline}{than_at}")
     if not (check.percent or check.points):
         return words
     how = {"same": "within", "not_worse": "allowing"}.get(check.expect, "by")

@@ -19,7 +19,7 @@ from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.files import atomic_write_text
 from xformer.locks import describe, holder
-from xformer.recipe_io import load_run_recipe
+from xformer.recipe_io import load_run_recipe, recipe_from_dict
 from xformer.results import ClassificationEval, TranslationEval
 from xformer.significance import mcnemar, paired_bleu, right_or_wrong
 from xformer.tasks import make_task
@@ -27,11 +27,39 @@ from xformer.tasks.base import EvalRequest
 from xformer.tasks.generated import GeneratedData
 
 
+class CannotExtrapolate(RunError):
+    """A run asked for a length its model has no positions for: a result ("cannot extrapolate"),
+    which `xformer eval` prints as one and an experiment scores as no correct answer."""
+
+
+POSITION_TABLES = ("learned",)  # positional variants whose positions are trained parameters
+SEQUENCE_TABLES = ("low_rank", "synthesizer")  # attention variants with parameters per position
+
+
+def at_length(recipe: Recipe, length: int) -> Recipe:
+    """The recipe of a generated-task run with its examples generated at `length` tokens: the
+    same model, its position formulas extended where they are formulas (sinusoidal, RoPE,
+    ALiBi, relative, none); CannotExtrapolate where its positions are trained parameters that
+    stop short (learned positions, low-rank and Synthesizer tables)."""
+    if not isinstance(recipe.data, GeneratedData):
+        raise RunError(f"--length: a generated task's examples at another length; this is a {recipe.data.task} run")
+    m = recipe.model
+    needed = length + 1  # + CLS
+    if needed > m.max_positions and (m.positional in POSITION_TABLES or m.attention in SEQUENCE_TABLES):
+        what = f"model.positional = {m.positional!r}" if m.positional in POSITION_TABLES else \
+            f"model.attention = {m.attention!r}"
+        raise CannotExtrapolate(f"cannot extrapolate to {length} tokens: {what} has trained parameters for "
+                                f"model.max_positions = {m.max_positions} positions only")
+    return recipe_from_dict(recipe.to_dict(), [f"data.max_len={length}",
+                                               f"model.max_positions={max(m.max_positions, needed)}"],
+                            "--length")
+
+
 def evaluate_run(
     run_dir: str | Path, *, split: str | None = None, data: str | None = None, beam: int | None = None,
     lenpen: float | None = None, checkpoint: str | None = None, device: str = "auto",
     on_progress: Callable[[int, int], None] | None = None, quantize: str | None = None,
-    ctranslate2: str | None = None, baseline: str | Path | None = None,
+    ctranslate2: str | None = None, baseline: str | Path | None = None, length: int | None = None,
 ) -> TranslationEval | ClassificationEval:
     """Score the run on `split` (default: the recipe's test split) or on `data` (a JSONL file
     or folder with the recipe's fields). beam and lenpen apply to translation runs; None means
@@ -41,12 +69,16 @@ def evaluate_run(
     compute with quantize "int8"), files marked ".ct2". baseline: another run of
     the same task scored on the same test set, and the paired test between the two in
     result.paired (xformer.significance): sacreBLEU's paired bootstrap for translation,
-    McNemar's exact test for classification."""
+    McNemar's exact test for classification. length: a generated task's examples generated at
+    this data.max_len instead of the run's (at_length), scored into files named
+    SPLIT.lenN.* (extrapolation: train at L, score at 2L)."""
     run_dir = Path(run_dir)
     recipe = load_run_recipe(run_dir)
+    if length is not None:
+        recipe = at_length(recipe, length)
     task = make_task(recipe)
     request = EvalRequest(split=split, data=data, checkpoint=checkpoint, device=device, beam=beam, lenpen=lenpen,
-                          on_progress=on_progress, quantize=quantize, ctranslate2=ctranslate2)
+                          on_progress=on_progress, quantize=quantize, ctranslate2=ctranslate2, length=length)
     pairing = check_pairable(run_dir, recipe, Path(baseline), request) if baseline is not None else None
     # its card says which checkpoint, whether the run had finished, and whether the timing is the machine's alone
     result = task.evaluate(run_dir, request)

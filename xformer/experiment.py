@@ -57,7 +57,7 @@ from xformer.claims import Check, Claim, claim_from_table
 from xformer.config import Recipe
 from xformer.data.corpus import load_split
 from xformer.errors import DivergedError, RecipeError, RunError
-from xformer.evaluate import evaluate_run, paired_set
+from xformer.evaluate import CannotExtrapolate, evaluate_run, paired_set
 from xformer.events import Event, ignore
 from xformer.experiment_report import SPEEDS, write_results
 from xformer.files import atomic_write_text
@@ -88,6 +88,9 @@ class ExperimentConfig:
     # these steps, keeping branch points; every smaller budget is a cooldown branched from it
     # (xformer.train's branches), so the curve costs about one run and its cooldowns
     budgets: list[int] = field(default_factory=list)
+    # a generated task's runs also scored at these lengths (extrapolation: train at data.max_len,
+    # score at 2x and 4x); a model with no positions that far scores "cannot extrapolate"
+    lengths: list[int] = field(default_factory=list)
     max_time: float = 0.0  # minutes of training per run; 0: no time limit
     set: list[str] = field(default_factory=list)
     rescore: bool = False  # score runs copied by --reuse again here (a speed claim times every run in one sitting)
@@ -104,6 +107,8 @@ class ExperimentConfig:
         if self.baseline not in cells:
             out.append(f"experiment.baseline: expected one of the cells ({', '.join(cells) or 'none'}), "
                        f"found {self.baseline!r}{did_you_mean(self.baseline, list(cells))}")
+        if any(n < 2 for n in self.lengths):
+            out.append(f"experiment.lengths: expected lengths of at least 2 tokens, found {self.lengths}")
         if self.budgets:
             if sorted(set(self.budgets)) != self.budgets or self.budgets[0] < 2:
                 out.append(f"experiment.budgets: expected increasing steps of at least 2, found {self.budgets}")
@@ -188,6 +193,11 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     if isinstance(raw.get("claim"), dict):
         claim, checks, found = claim_from_table(raw["claim"], list(cells), str(path), config.baseline)
         problems += found
+        for i, check in enumerate(checks):
+            wrong = [n for n in (check.length, check.than_length) if n and n not in config.lengths]
+            if wrong:
+                problems.append(f"{path}: claim.checks[{i}]: length {wrong[0]} is not one of experiment.lengths "
+                                f"({config.lengths or 'none'}), where the runs are scored")
     elif "claim" in raw:
         problems.append(f"{path}: claim: expected a table, found {raw['claim']!r}")
     experiment = Experiment(config, cells, path, recipe_sets, claim, checks)
@@ -295,9 +305,12 @@ def _train_one(experiment: Experiment, out_dir: Path, index: int, cell: str, see
         except DivergedError as exc:
             diverged = exc.step
     if diverged is None:
-        rows[(cell, seed)] = _score(run_dir, cell, seed, device)
+        rows[(cell, seed)] = {**_score(run_dir, cell, seed, device),
+                              **_at_lengths(run_dir, experiment.config.lengths, device)}
     else:
         rows[(cell, seed)] = _score_diverged(experiment, run_dir, cell, seed, diverged)
+        if experiment.config.lengths:  # it answers nothing at any length
+            rows[(cell, seed)]["test_at"] = {str(n): 0.0 for n in experiment.config.lengths}
         emit("diverged", rows[(cell, seed)])
     emit("run_end", rows[(cell, seed)])
     for budget in experiment.config.budgets[:-1]:  # the curve's cooldowns, branched from that run
@@ -427,6 +440,27 @@ def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
             "machine": machine(trained.get("card", {})), "run_dir": str(run_dir)}
 
 
+def _at_lengths(run_dir: Path, lengths: list[int], device: str) -> dict:
+    """{"test_at": {length: accuracy}, "cannot": {length: why}} of the run's best checkpoint on
+    its task generated at each length (evaluate.at_length): scored once, kept in RUN/eval/; a
+    model with no positions that far scores 0 (it cannot answer), with the reason."""
+    if not lengths:
+        return {}
+    scores, cannot = {}, {}
+    sha = checkpoint_identity(run_dir, "best")[0]["sha256"]
+    for length in lengths:
+        kept = run_dir / "eval" / f"test.len{length}.best.json"
+        found = json.loads(kept.read_text()) if kept.is_file() else None
+        if found is None or found.get("card", {}).get("checkpoint", {}).get("sha256") != sha:
+            try:
+                found = json.loads(evaluate_run(run_dir, checkpoint="best", device=device, length=length).to_json())
+            except CannotExtrapolate as exc:
+                scores[str(length)], cannot[str(length)] = 0.0, str(exc)
+                continue
+        scores[str(length)] = found["accuracy"]
+    return {"test_at": scores, **({"cannot": cannot} if cannot else {})}
+
+
 def machine(card: dict) -> dict:
     """What a run was made on and with, from its run card: runs of one comparison must agree on
     the device and precision (and, for a timing, on the CPU); the ledger checks (xformer.ledger)."""
@@ -551,10 +585,11 @@ def _pin(experiment: Experiment, out_dir: Path) -> None:
     """The spec as first run; a rerun into the same folder must be the same experiment."""
     c = experiment.config
     pinned = {"recipe": experiment.recipe(c.baseline, c.seeds[0]).to_dict(), "cells": experiment.cells,
-              "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time, "budgets": c.budgets}
+              "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time, "budgets": c.budgets,
+              "lengths": c.lengths}
     pin(out_dir / "experiment.json", pinned, "this folder holds an experiment with other cells, seeds, budget or "
         "recipe; use another --out (runs of different settings cannot be compared)",
-        as_now=lambda old: {"budgets": [], **old})  # folders from before curves
+        as_now=lambda old: {"budgets": [], "lengths": [], **old})  # folders from before curves and lengths
 
 
 def _job(fields: dict) -> None:

@@ -93,8 +93,9 @@ def record_from_run(folder: Path, spec: Path, experiment: Experiment) -> dict | 
         if "recipe" in ran:
             differences = recipe_differences(ran["recipe"], experiment.recipe(c.baseline, c.seeds[0]).to_dict())
         wanted = {"cells": experiment.cells, "seeds": c.seeds, "max_steps": c.max_steps, "max_time": c.max_time,
-                  "budgets": c.budgets}
+                  "budgets": c.budgets, "lengths": c.lengths}
         ran.setdefault("budgets", [])  # folders from before curves
+        ran.setdefault("lengths", [])
         differ = [f"{key} {ran.get(key)!r} (the spec: {value!r})" for key, value in wanted.items()
                   if ran.get(key) != json.loads(json.dumps(value))]
         if differ:

@@ -94,6 +94,7 @@ class EvalRequest:
     quantize: str | None = None  # "int8": dynamic int8 Linear layers on the CPU (xformer/quantize.py)
     ctranslate2: str | None = None  # decode with CTranslate2 from this exported directory (translation only)
     on_progress: Any = None  # Callable[[done, total], None]
+    length: int | None = None  # a generated task's examples at this length (evaluate.at_length made the recipe)
 
 
 class Task:

@@ -170,6 +170,8 @@ class ClassificationTask(Task):
         quantize = request.quantize or self.recipe.eval.quantize or None  # --quantize, else the recipe's
         model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=quantize)
         examples, name = self.examples(request.split, request.data)
+        if request.length is not None:  # generated at another length than the run's: its own files
+            name = f"{name}.len{request.length}"
         started, others = time.perf_counter(), OtherLoad()
         predicted, total = predict_classes(model, examples, self.recipe.data.max_tokens, rt)
         seconds, others_cpu = time.perf_counter() - started, others.cores()
