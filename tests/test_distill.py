@@ -144,3 +144,31 @@ def test_the_distill_command_is_train_with_the_teacher_set(corpus, teacher, tmp_
     assert (saved.distill.teacher, saved.distill.kind, saved.distill.alpha) == (str(teacher), "word", 0.5)
     bad = runner.invoke(app, ["distill", str(teacher), str(RECIPE), "--kind", "phrase", "--out", str(tmp_path / "x")])
     assert bad.exit_code == 2 and "phrase" in bad.output
+
+
+def test_an_experiment_reads_each_student_beside_its_teachers_own_score(corpus, teacher, tmp_path):
+    """results.json names every distilled cell's teacher with its test score and steps, and the
+    ledger section prints it, so a student is never read apart from what it learned from."""
+    from pathlib import Path
+
+    from xformer.evaluate import evaluate_run
+
+    scored = evaluate_run(teacher, checkpoint="best", device="cpu")
+    recipe = Path(__file__).resolve().parents[1] / "recipes" / "translation" / "multi30k_de_en.toml"
+    spec = tmp_path / "kd.toml"
+    spec.write_text(f"""[experiment]
+recipe = {json.dumps(str(recipe))}
+seeds = [1]
+baseline = "references"
+max_steps = 2
+set = {json.dumps([*TINY, f"data.dataset={json.dumps(str(corpus))}"])}
+
+[experiment.cells]
+references = []
+word = [{json.dumps(f"distill.teacher={json.dumps(str(teacher))}")}, "distill.kind=word"]
+""")
+    made = CliRunner().invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "out"), "--device", "cpu",
+                                    "--json"])
+    assert made.exit_code == 0, made.output
+    report = json.loads(made.stdout.strip().splitlines()[-1])
+    assert report["teachers"] == {"word": {"run": str(teacher), "test": scored.bleu, "steps": 30}}

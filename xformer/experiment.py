@@ -277,6 +277,7 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
     result = _compare(experiment, largest, scored, out_dir)
     result.curves = curves
     result.test_lengths = _test_lengths(experiment, out_dir)
+    result.teachers = _teachers(experiment)
     write_results(result, out_dir)
     return result
 
@@ -532,6 +533,21 @@ def _compare(experiment: Experiment, rows: dict, scored: list, out_dir: Path) ->
         budget = f"{c.budgets[-1]} steps (wsd; a curve at {', '.join(map(str, c.budgets))})"
     return ExperimentResult(metric=metric, baseline=c.baseline, seeds=c.seeds, budget_per_run=budget,
                             cells=cells, runs=[rows[k] for k in sorted(rows)], source=str(experiment.source))
+
+
+def _teachers(experiment: Experiment) -> dict | None:
+    """Per distilled cell, its teacher's own test score and steps (its RUN/eval.json and
+    train.json), so a student is read beside what it learned from; None without teachers."""
+    found = {}
+    for cell in experiment.cells:
+        teacher = experiment.recipe(cell, experiment.config.seeds[0]).distill.teacher
+        if not teacher:
+            continue
+        scored, trained = (Path(teacher) / name for name in ("eval.json", "train.json"))
+        test = json.loads(scored.read_text()) if scored.is_file() else {}
+        found[cell] = {"run": str(teacher), "test": test.get("bleu", test.get("accuracy")),
+                       "steps": json.loads(trained.read_text())["steps"] if trained.is_file() else None}
+    return found or None
 
 
 def _test_lengths(experiment: Experiment, out_dir: Path) -> dict:

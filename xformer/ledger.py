@@ -326,6 +326,10 @@ def _markdown(rows: list[dict]) -> str:
         lines += ["", f"Measured {rec['measured']} on {hw['cpu'] or 'an unnamed CPU'} ({hw['device']}, "
                       f"{hw['precision']}, torch {hw['torch']}), {rec['train_minutes']:g} minutes of training "
                       "in all.", "", markdown(ExperimentResult(**rec["results"])).rstrip()]
+        taught = {(t["run"], t["test"], t["steps"]) for t in (rec["results"].get("teachers") or {}).values()}
+        for run, test, steps in sorted(taught, key=str):
+            score = f"test {test:.2f}" if test is not None else "not scored"
+            lines += ["", f"Teacher: `{run}`, {score} after {steps} steps (the students learn from it)."]
         lines += ["", "Checks:", ""]
         lines += [f"- {c['check']}: **{c['verdict']}** ({c['reason']})" for c in r["checks"]]
     return "\n".join(lines) + "\n"

@@ -161,6 +161,7 @@ class ExperimentResult(Result):
     # `cells` and `runs` themselves, the others cooldowns branched from them)
     curves: list[dict] | None = None
     test_lengths: dict | None = None  # the test inputs' median and longest length in tokens ("median_source", ...)
+    teachers: dict | None = None  # per distilled cell: its teacher's run, test score and steps
 
 
 @dataclass
