@@ -2,6 +2,7 @@
 
     python benchmarks/allocator.py [--data ../shared/data/multi30k] [--repeats 2]
         [--only bench_train,cpu_step,translate,longrange,experiment] [--flagship-steps 0] [--json FILE]
+        [--arena-max N]
 
 Each workload runs as a whole process, once with XFORMER_ALLOCATOR=system (glibc as it comes) and
 once tuned, alternated `--repeats` times (system, tuned, system, tuned, ...) so a drift of the
@@ -39,10 +40,13 @@ XFORMER = [sys.executable, "-m", "xformer_cli"]
 
 
 def measured(command: list[str], allocator: str, stdout: Path | None = None) -> dict:
-    """Run `command` under XFORMER_ALLOCATOR=`allocator` (no MALLOC_*_ inherited); the kernel's
-    figures of the process and its children."""
+    """Run `command` under XFORMER_ALLOCATOR=`allocator` (no MALLOC_*_ inherited; "tuned+arenaN":
+    tuned, with glibc's MALLOC_ARENA_MAX=N too); the kernel's figures of the process and its
+    children."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["XFORMER_ALLOCATOR"] = allocator
+    env["XFORMER_ALLOCATOR"], _, arenas = allocator.partition("+arena")
+    if arenas:
+        env["MALLOC_ARENA_MAX"] = arenas
     started = time.perf_counter()
     with open(stdout or os.devnull, "w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.PIPE, text=True)
@@ -103,6 +107,8 @@ def main() -> None:
     parser.add_argument("--only", default="bench_train,cpu_step,translate,longrange,experiment")
     parser.add_argument("--flagship-steps", type=int, default=0)
     parser.add_argument("--json", default=None)
+    parser.add_argument("--arena-max", type=int, default=0,
+                        help="also run tuned with MALLOC_ARENA_MAX=N (a third process each alternation)")
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] + (["flagship"] if args.flagship_steps > 0 else [])
     results: dict[str, list[dict]] = {}
@@ -118,7 +124,7 @@ def main() -> None:
             command, read = jobs[name]
             results[name] = []
             for repeat in range(args.repeats):
-                for allocator in ("system", "tuned"):
+                for allocator in ("system", "tuned", *([f"tuned+arena{args.arena_max}"] if args.arena_max else [])):
                     count += 1
                     stdout, written = scratch / f"{name}-{count}.out", scratch / f"{name}-{count}.json"
                     line = [part.replace("{n}", str(count)).replace("{json}", str(written)) for part in command]
@@ -134,9 +140,10 @@ def main() -> None:
         print(f"{name}: tuned / system (medians over {args.repeats} alternations)")
         for key in keys:
             system = statistics.median(r[key] for r in rows if r["allocator"] == "system")
-            tuned = statistics.median(r[key] for r in rows if r["allocator"] == "tuned")
-            print(f"  {key:>20}: system {system:>12,.3f}  tuned {tuned:>12,.3f}  ratio "
-                  f"{tuned / system if system else float('nan'):.3f}")
+            for variant in sorted({r["allocator"] for r in rows} - {"system"}):
+                tuned = statistics.median(r[key] for r in rows if r["allocator"] == variant)
+                print(f"  {key:>20}: system {system:>12,.3f}  {variant} {tuned:>12,.3f}  ratio "
+                      f"{tuned / system if system else float('nan'):.3f}")
     if args.json:
         Path(args.json).write_text(json.dumps({"cpu": cpu_name(), "results": results}, indent=2))
 
