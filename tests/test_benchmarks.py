@@ -18,20 +18,20 @@ def test_the_gpu_claims_subset_trains_scores_and_judges_on_a_cpu(corpus, tmp_pat
     cooldown lands in OUT, the shared baseline trains once, and OUT/claims.md judges the subset
     (and only it: the other specs are not in OUT/specs). A second call trains nothing."""
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "SPECS": "heads head_dim", "SEEDS": "[1, 2, 3]", "BUDGETS": "[2, 4]", "DEVICE": "cpu", "JOBS": "2",
+           "SPECS": "qkv_sharing head_dim", "SEEDS": "[1, 2, 3]", "BUDGETS": "[2, 4]", "DEVICE": "cpu", "JOBS": "1",
            "SETS": TINY}
     out = tmp_path / "gpu"
     done = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_claims.sh"), str(out), str(corpus)], env=env,
                           capture_output=True, text=True)
     assert done.returncode == 0, done.stderr[-3000:]
-    heads = sorted(p.name for p in (out / "runs" / "heads" / "runs").iterdir() if p.is_dir())
-    assert heads == sorted(f"heads_{h}-s{s}{b}" for h in (1, 4, 8) for s in (1, 2, 3) for b in ("", "-at2"))
+    folders = sorted(p.name for p in (out / "runs" / "qkv_sharing" / "runs").iterdir() if p.is_dir())
+    assert folders == sorted(f"{c}-s{s}{b}" for c in ("separate", "shared") for s in (1, 2, 3) for b in ("", "-at2"))
     copied = [p for p in (out / "runs" / "head_dim" / "runs").glob("dk_64-s*") if (p / "copied-from.json").is_file()]
     assert len(copied) == 3  # the flagship cell, trained once for both specs
     text = (out / "claims.md").read_text()
-    assert "[`heads`](#heads)" in text and "[`head_dim`](#head_dim)" in text and "[`depth`]" not in text
-    record = json.loads((out / "records" / "heads.json").read_text())
+    assert "[`qkv_sharing`](#qkv_sharing)" in text and "[`head_dim`](#head_dim)" in text and "[`depth`]" not in text
+    record = json.loads((out / "records" / "qkv_sharing.json").read_text())
     assert record["results"]["seeds"] == [1, 2, 3] and [c["budget"] for c in record["results"]["curves"]] == [2, 4]
     again = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_claims.sh"), str(out), str(corpus)], env=env,
                            capture_output=True, text=True)
-    assert again.returncode == 0 and "18 runs, 18 done already" in again.stderr + again.stdout
+    assert again.returncode == 0 and "12 runs, 12 done already" in again.stderr + again.stdout
