@@ -21,7 +21,8 @@ LAYERS = [
     ["xformer.tasks"],
     ["xformer.recipe_io", "xformer.resume", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
      "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers", "xformer.export",
-     "xformer.experiment", "xformer.reuse", "xformer.ledger", "xformer.grid", "xformer.budget", "xformer.quality"],
+     "xformer.experiment", "xformer.experiment_scoring", "xformer.reuse", "xformer.ledger", "xformer.grid",
+     "xformer.budget", "xformer.quality"],
     ["xformer"],  # the package's __init__: the library's front door
 ]
 

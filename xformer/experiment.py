@@ -52,15 +52,20 @@ from pathlib import Path
 
 import torch
 
-from xformer.checkpoint import read_checkpoint_meta
 from xformer.claims import Check, Claim, claim_from_table
 from xformer.config import Recipe
-from xformer.data.corpus import load_split
 from xformer.errors import DivergedError, RecipeError, RunError
-from xformer.evaluate import CannotExtrapolate, evaluate_run, paired_set
+from xformer.evaluate import paired_set
 from xformer.events import Event, ignore
 from xformer.experiment_report import SPEEDS, write_results
-from xformer.files import atomic_write_text
+from xformer.experiment_scoring import (
+    at_lengths,
+    diverged_at,
+    input_lengths,
+    score_diverged,
+    score_run,
+    teachers,
+)
 from xformer.grid import check_grid_dir, pin, stop_if_asked, train_to_end
 from xformer.locks import FolderLock
 from xformer.recipe_io import load_recipe, parse_override, read_toml
@@ -70,8 +75,6 @@ from xformer.rundir import run_state
 from xformer.runlog import StopSignals
 from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu, right_or_wrong
 from xformer.strict import did_you_mean, section_from_dict
-from xformer.tasks import make_task, parameter_count
-from xformer.tasks.base import checkpoint_identity
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
 MEASURES = (*SPEEDS, "decode_cache_mb")  # averaged per cell
@@ -276,8 +279,9 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
             row["budget"] = experiment.config.budgets[-1]
     result = _compare(experiment, largest, scored, out_dir)
     result.curves = curves
-    result.test_lengths = _test_lengths(experiment, out_dir)
-    result.teachers = _teachers(experiment)
+    c = experiment.config
+    result.test_lengths = input_lengths(experiment, out_dir / "runs" / run_key(c.baseline, c.seeds[0]))
+    result.teachers = teachers(experiment)
     write_results(result, out_dir)
     return result
 
@@ -306,10 +310,10 @@ def _train_one(experiment: Experiment, out_dir: Path, index: int, cell: str, see
         except DivergedError as exc:
             diverged = exc.step
     if diverged is None:
-        rows[(cell, seed)] = {**_score(run_dir, cell, seed, device),
-                              **_at_lengths(run_dir, experiment.config.lengths, device)}
+        rows[(cell, seed)] = {**score_run(run_dir, cell, seed, device),
+                              **at_lengths(run_dir, experiment.config.lengths, device)}
     else:
-        rows[(cell, seed)] = _score_diverged(experiment, run_dir, cell, seed, diverged)
+        rows[(cell, seed)] = score_diverged(experiment, run_dir, cell, seed, diverged)
         if experiment.config.lengths:  # it answers nothing at any length
             rows[(cell, seed)]["test_at"] = {str(n): 0.0 for n in experiment.config.lengths}
         emit("diverged", rows[(cell, seed)])
@@ -390,123 +394,14 @@ def _branched(experiment: Experiment, out_dir: Path, cell: str, seed: int, budge
         except DivergedError as exc:
             diverged = exc.step
     if diverged is None:
-        row = _score(run_dir, cell, seed, device)
+        row = score_run(run_dir, cell, seed, device)
     elif stable.get("diverged_at") is not None and stable["diverged_at"] <= budget:  # it never got this far
         row = {**stable}
     else:
-        row = _score_diverged(experiment, run_dir, cell, seed, diverged)
+        row = score_diverged(experiment, run_dir, cell, seed, diverged)
     row = {**row, "budget": budget}
     emit("run_end", row)
     return row
-
-
-def _score(run_dir: Path, cell: str, seed: int, device: str) -> dict:
-    """The run's test score with its best-on-validation checkpoint, scored once and kept."""
-    trained = json.loads((run_dir / "train.json").read_text())
-    summary = run_dir / "eval.json"
-    test = json.loads(summary.read_text()) if summary.is_file() else None
-    # scored again unless eval.json scored the very tensors `best` holds now, of the finished run
-    kept = (test or {}).get("card", {}).get("checkpoint", {})
-    scored_here = (test is None or test.get("checkpoint") != "best" or not kept.get("final")
-                   or kept.get("sha256") != checkpoint_identity(run_dir, "best")[0]["sha256"])
-    if scored_here:
-        test = json.loads(evaluate_run(run_dir, checkpoint="best", device=device).to_json())
-    provenance = run_dir / "copied-from.json"
-    copied = json.loads(provenance.read_text()) if provenance.is_file() else None
-    metric = "bleu" if "bleu" in test else "accuracy"
-    for kind in ("hypotheses", "predictions"):  # in RUN/eval/, wherever the run was scored (or copied from)
-        if test.get(kind):
-            test[kind] = str(run_dir / "eval" / Path(test[kind]).name)
-    best = trained["best"] or {}
-    curve = [[h["step"], h.get(metric)] for h in trained.get("history", []) if h.get("kind") == "valid"]
-    # speeds timed in this experiment only: a --reuse copy was trained elsewhere, and decoded
-    # elsewhere unless it was scored again
-    train_timed = bool(trained.get("loop_seconds")) and copied is None
-    decode_timed = copied is None or copied["rescored"] or scored_here
-    return {"cell": cell, "seed": seed, "metric": metric, "test": test[metric], "valid": best.get(metric),
-            "best_step": best.get("step"), "steps": trained["steps"], "parameters": trained["parameters"],
-            "curve": curve,  # [step, validation metric] at every validation: what convergence is judged on
-            "train_seconds": trained["train_seconds"], "hypotheses": test.get("hypotheses"),
-            # training steps a second, validation excluded (a claim about training speed
-            # compares the steps, not how long each model takes to validate)
-            "train_steps_per_s": trained["steps"] / trained["loop_seconds"] if train_timed else None,
-            "train_others_cpu": trained.get("others_cpu") if train_timed else None,
-            # test sentences decoded (translation) or examples classified a second
-            "decode_per_s": test.get("sentences_per_s" if metric == "bleu" else "examples_per_s")
-            if decode_timed else None,
-            "decode_others_cpu": test.get("others_cpu") if decode_timed else None,
-            # the decoder's KV cache at its largest (one batch): the model's, wherever it was decoded
-            "decode_cache_mb": test.get("kv_cache_mb"),
-            "predictions": test.get("predictions"), "copied_from": copied and copied["source"],
-            "machine": machine(trained.get("card", {})), "run_dir": str(run_dir)}
-
-
-def _at_lengths(run_dir: Path, lengths: list[int], device: str) -> dict:
-    """{"test_at": {length: accuracy}, "cannot": {length: why}} of the run's best checkpoint on
-    its task generated at each length (evaluate.at_length): scored once, kept in RUN/eval/; a
-    model with no positions that far scores 0 (it cannot answer), with the reason."""
-    if not lengths:
-        return {}
-    scores, cannot = {}, {}
-    sha = checkpoint_identity(run_dir, "best")[0]["sha256"]
-    for length in lengths:
-        kept = run_dir / "eval" / f"test.len{length}.best.json"
-        found = json.loads(kept.read_text()) if kept.is_file() else None
-        if found is None or found.get("card", {}).get("checkpoint", {}).get("sha256") != sha:
-            try:
-                found = json.loads(evaluate_run(run_dir, checkpoint="best", device=device, length=length).to_json())
-            except CannotExtrapolate as exc:
-                scores[str(length)], cannot[str(length)] = 0.0, str(exc)
-                continue
-        scores[str(length)] = found["accuracy"]
-    return {"test_at": scores, **({"cannot": cannot} if cannot else {})}
-
-
-def machine(card: dict) -> dict:
-    """What a run was made on and with, from its run card: runs of one comparison must agree on
-    the device and precision (and, for a timing, on the CPU); the ledger checks (xformer.ledger)."""
-    return {"cpu": card.get("cpu"), "device": card.get("device"), "precision": card.get("precision"),
-            "torch": card.get("versions", {}).get("torch"), "commit": card.get("git_commit")}
-
-
-def diverged_at(run_dir: Path) -> int | None:
-    """The step where the run stopped because its loss or gradients stayed non-finite, or None."""
-    progress = _diverged_progress(run_dir)
-    return progress["step"] if progress else None
-
-
-def _diverged_progress(run_dir: Path) -> dict | None:
-    last = run_dir / "checkpoints" / "last.safetensors"
-    if (run_dir / "train.json").is_file() or not last.is_file():
-        return None
-    meta = read_checkpoint_meta(last)
-    return meta["progress"] if meta.get("stop_reason") == "nonfinite" else None
-
-
-def _score_diverged(experiment: Experiment, run_dir: Path, cell: str, seed: int, step: int) -> dict:
-    """A run that diverged translates (classifies) nothing: it is scored as an empty output on
-    the test split (BLEU 0; every example wrong), which still pairs with the baseline's run."""
-    recipe = experiment.recipe(cell, seed)
-    out = run_dir / "eval"
-    if recipe.data.task == "translation":
-        d = recipe.data
-        n = len(load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None))
-        metric, kind, path = "bleu", "hypotheses", out / "diverged.hyp"
-    else:
-        task = make_task(recipe)
-        task.load_vocabulary(run_dir)
-        n = len(task.examples(None, None)[0])
-        metric, kind, path = "accuracy", "predictions", out / "diverged.pred"
-    atomic_write_text(path, "\n" * n)
-    progress = _diverged_progress(run_dir) or {}  # the steps it took until it stopped
-    loop, others = progress.get("loop_seconds"), progress.get("others_cpu_seconds")
-    return {"cell": cell, "seed": seed, "metric": metric, "test": 0.0, "valid": None, "best_step": None,
-            "steps": step, "parameters": parameter_count(recipe), "train_seconds": progress.get("seconds", 0.0),
-            "hypotheses": None, "predictions": None, kind: str(path),
-            "train_steps_per_s": step / loop if loop else None, "decode_per_s": None,
-            "train_others_cpu": others / progress["seconds"] if loop and others is not None else None,
-            "decode_others_cpu": None, "decode_cache_mb": None,
-            "copied_from": None, "diverged_at": step, "run_dir": str(run_dir)}
 
 
 def _compare(experiment: Experiment, rows: dict, scored: list, out_dir: Path) -> ExperimentResult:
@@ -533,37 +428,6 @@ def _compare(experiment: Experiment, rows: dict, scored: list, out_dir: Path) ->
         budget = f"{c.budgets[-1]} steps (wsd; a curve at {', '.join(map(str, c.budgets))})"
     return ExperimentResult(metric=metric, baseline=c.baseline, seeds=c.seeds, budget_per_run=budget,
                             cells=cells, runs=[rows[k] for k in sorted(rows)], source=str(experiment.source))
-
-
-def _teachers(experiment: Experiment) -> dict | None:
-    """Per distilled cell, its teacher's own test score and steps (its RUN/eval.json and
-    train.json), so a student is read beside what it learned from; None without teachers."""
-    found = {}
-    for cell in experiment.cells:
-        teacher = experiment.recipe(cell, experiment.config.seeds[0]).distill.teacher
-        if not teacher:
-            continue
-        scored, trained = (Path(teacher) / name for name in ("eval.json", "train.json"))
-        test = json.loads(scored.read_text()) if scored.is_file() else {}
-        found[cell] = {"run": str(teacher), "test": test.get("bleu", test.get("accuracy")),
-                       "steps": json.loads(trained.read_text())["steps"] if trained.is_file() else None}
-    return found or None
-
-
-def _test_lengths(experiment: Experiment, out_dir: Path) -> dict:
-    """The lengths of the test set's inputs in tokens (translation: source pieces of the
-    baseline's tokenizer), which a claim's preconditions compare with (a rank, a window)."""
-    c = experiment.config
-    recipe = experiment.recipe(c.baseline, c.seeds[0])
-    task = make_task(recipe)
-    task.load_vocabulary(out_dir / "runs" / run_key(c.baseline, c.seeds[0]))
-    if recipe.data.task == "translation":
-        d = recipe.data
-        rows = load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None)
-        lengths = [len(ids) for ids in task.tokenizer.encode(list(rows[d.source_lang]), "source")]
-    else:
-        lengths = [int(n) for n in task.examples(None, None)[0].lens]
-    return {"median_source": float(statistics.median(lengths)), "max_source": max(lengths)}
 
 
 def _mean(values: list) -> float | None:
