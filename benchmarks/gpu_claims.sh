@@ -14,7 +14,7 @@
 # BUDGETS (steps, default "[500, 1000, 2000]"), DEVICE (default cuda), JOBS (runs at once on the
 # device, default 3), SETS (extra overrides of every spec's recipe, e.g. "train.valid_every=100").
 # Sized for 8 minutes of one H200 (bf16 auto): 3 specs x 3 cells x 3 seeds, the baseline shared,
-# 2,000 steps of 4,096 tokens each with two cooldowns. tests/test_benchmarks.py runs it on a CPU
+# 2,000 steps of 4,096 tokens each with two cooldowns. tests/test_benchmarks.py (slow) runs it on a CPU
 # at a few steps of a tiny model.
 set -euo pipefail
 cd "$(dirname "$0")/.."

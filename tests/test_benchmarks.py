@@ -7,12 +7,15 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ("model.d_model=32 model.d_ff=64 model.n_encoder_layers=1 model.n_decoder_layers=1 data.vocab_size=300 "
         "data.max_tokens=512 train.warmup_steps=2 train.valid_every=2 train.average_last=1 eval.beam=2 "
         "eval.batch_sentences=16")
 
 
+@pytest.mark.slow  # ~75 s of 2 cores: `python -m pytest -m slow` runs it
 def test_the_gpu_claims_subset_trains_scores_and_judges_on_a_cpu(corpus, tmp_path):
     """Two specs sharing their baseline cell, 3 seeds, budgets of 2 and 4 steps: every run and
     cooldown lands in OUT, the shared baseline trains once, and OUT/claims.md judges the subset
