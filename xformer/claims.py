@@ -212,11 +212,10 @@ def judge(check: Check, results: dict) -> Outcome:
     seed-paired mean difference and its 95% t-interval across seeds (module docstring)."""
     than = check.than or results["baseline"]
     seeds = results["seeds"]
-    mine, theirs = (_scores(results, check.metric, length) for length in (check.length, check.than_length))
     # the cell and what it is compared with, seed by seed (itself at another length, it may be)
-    scores = {("mine", s): mine[(check.cell, s)] for s in seeds} | {("theirs", s): theirs[(than, s)] for s in seeds}
-    a, b = "mine", "theirs"
-    if any(scores[(c, s)] is None for c in (a, b) for s in seeds):
+    mine, theirs = (_scores(results, check.metric, length) for length in (check.length, check.than_length))
+    mine, theirs = [mine[(check.cell, s)] for s in seeds], [theirs[(than, s)] for s in seeds]
+    if None in mine or None in theirs:
         how = "measured" if check.metric in SIZES else "timed"
         return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was not {how} in these runs")
     if check.metric in OTHERS_KEYS:
@@ -226,8 +225,8 @@ def judge(check: Check, results: dict) -> Outcome:
             return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was timed while other processes "
                                                   f"took more than {BUSY_OVER:g} CPU cores: {', '.join(crowded)}; "
                                                   "rerun those runs alone")
-    diffs = [scores[(a, s)] - scores[(b, s)] for s in seeds]
-    base = statistics.fmean(scores[(b, s)] for s in seeds)
+    diffs = [m - t for m, t in zip(mine, theirs, strict=True)]
+    base = statistics.fmean(theirs)
     margin = check.points or base * check.percent / 100
     upper = (base * check.up_to / 100 if check.percent else check.up_to) if check.up_to else math.inf
     claimed = claimed_gap(check)

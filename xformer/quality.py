@@ -43,7 +43,7 @@ from safetensors.torch import load_model, save_model
 
 from xformer.data.corpus import load_split
 from xformer.errors import RunError, XformerError
-from xformer.evaluate import evaluate_run
+from xformer.evaluate import evaluate_run, paired_set
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.metrics import translation_scores
@@ -53,6 +53,7 @@ from xformer.runlog import append_jsonl
 from xformer.runtime import resolve_runtime
 from xformer.significance import paired_bleu
 from xformer.tasks import make_task
+from xformer.tasks.base import EvalRequest
 from xformer.train import run
 
 SYSTEMS = ("xformer", "marian", "marian_wsd")
@@ -243,8 +244,7 @@ def score_marian(recipe, out_dir: Path, split: str, *, lenpen: float, device: st
     ids = marian_translate(model, task.tokenizer.encode(list(rows[d.source_lang]), "source"), rt, beam=e.beam,
                            lenpen=lenpen, max_len_a=e.max_len_a, max_len_b=e.max_len_b, batch=e.batch_sentences)
     hyps = task.tokenizer.decode(ids, "target")
-    return {**translation_scores(hyps, list(rows[d.target_lang])), "hypotheses": hyps,
-            "references": list(rows[d.target_lang])}
+    return {**translation_scores(hyps, list(rows[d.target_lang])), "hypotheses": hyps}
 
 
 # ---------------------------------------------------------------------------- the benchmark
@@ -343,7 +343,7 @@ def _select_and_score(system: str, recipe, folder: Path, config: QualityConfig) 
     on_valid = {lenpen: score(valid, lenpen)["bleu"] for lenpen in config.lenpens}
     lenpen = max(on_valid, key=lambda k: (on_valid[k], -abs(k - 1.0)))  # a tie goes to the plainer penalty
     tested = score(test, lenpen)
-    refs = list(load_refs(recipe, test))
+    refs = paired_set(recipe, EvalRequest(split=test))  # the references, as every paired test reads them
     atomic_write_text(folder / "test.hyp", "".join(h + "\n" for h in tested["hypotheses"]))
     atomic_write_text(folder / "test.ref", "".join(r + "\n" for r in refs))
     record = {"system": system, "seed": recipe.train.seed, "steps": steps, "epochs": epochs,
@@ -353,12 +353,6 @@ def _select_and_score(system: str, recipe, folder: Path, config: QualityConfig) 
               "test_bleu": tested["bleu"], "test_chrf": tested["chrf"],
               "hypotheses": f"{folder.name}/test.hyp", "references": f"{folder.name}/test.ref"}
     atomic_write_text(folder / "quality.json", json.dumps(record, indent=2))
-
-
-def load_refs(recipe, split: str) -> list[str]:
-    d = recipe.data
-    rows = load_split(d.dataset, split, [d.source_lang, d.target_lang], d.dataset_config or None, complete=True)
-    return list(rows[d.target_lang])
 
 
 def _main(system: str, fields: dict) -> None:
