@@ -618,6 +618,42 @@ def test_an_existing_tokenizer_must_match_the_recipe(trained, corpus, tmp_path):
         ensure_tokenizer(tiny_recipe(corpus, "data.vocab_size=400", "train.max_steps=1"), out)
 
 
+def test_a_train_limit_trains_exactly_as_a_corpus_cut_to_that_many_rows(corpus, tmp_path):
+    """data.train_limit = N is the corpus with its first N training rows: the tokenizer and every
+    weight equal a run on a copy whose train.jsonl holds only those rows. Its tokenizer records
+    the limit, so a run without it cannot reuse it, and an older settings.json (no such key)
+    still means the whole split."""
+    from xformer.errors import RecipeError
+    from xformer.tasks.translation import ensure_tokenizer
+
+    cut = tmp_path / "cut"
+    cut.mkdir()
+    for name in ("val", "test"):
+        (cut / f"{name}.jsonl").write_bytes((corpus / f"{name}.jsonl").read_bytes())
+    rows = (corpus / "train.jsonl").read_text(encoding="utf-8").splitlines()
+    (cut / "train.jsonl").write_text("\n".join(rows[:150]) + "\n", encoding="utf-8")
+
+    limited = tiny_recipe(corpus, "data.train_limit=150", "train.max_steps=6", "model.dropout=0.0")
+    run(limited, tmp_path / "limited", device="cpu")
+    run(tiny_recipe(cut, "train.max_steps=6", "model.dropout=0.0"), tmp_path / "whole", device="cpu")
+    spm = "tokenizer/spm.model"
+    assert (tmp_path / "limited" / spm).read_bytes() == (tmp_path / "whole" / spm).read_bytes()
+    a = read_checkpoint(tmp_path / "limited/checkpoints/last.safetensors")[0]
+    b = read_checkpoint(tmp_path / "whole/checkpoints/last.safetensors")[0]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+    settings = tmp_path / "limited/tokenizer/settings.json"
+    assert json.loads(settings.read_text())["train_limit"] == 150
+    with pytest.raises(RunError, match="trained with train_limit = 150; the recipe says train_limit = 0"):
+        ensure_tokenizer(tiny_recipe(corpus, "train.max_steps=1"), tmp_path / "limited")
+    older = json.loads(settings.read_text())
+    del older["train_limit"]
+    settings.write_text(json.dumps(older))
+    ensure_tokenizer(tiny_recipe(corpus, "train.max_steps=1"), tmp_path / "limited")  # whole split: accepted
+    with pytest.raises(RecipeError, match="data.train_limit: expected 0 .* found -1"):
+        tiny_recipe(corpus, "data.train_limit=-1")
+
+
 def test_averaging_is_the_elementwise_mean_and_keeps_ties(tmp_path):
     from xformer.checkpoint import average_checkpoints, load_model_weights, save_checkpoint
     from xformer.config import ModelConfig

@@ -6,7 +6,6 @@ import shutil
 from pathlib import Path
 
 from xformer.config import Recipe
-from xformer.data.corpus import load_split
 from xformer.data.tokenizer import UNK_ID, Side, Tokenizer
 from xformer.errors import RunError
 from xformer.results import TokenizeResult
@@ -32,7 +31,7 @@ def tokenize_recipe(recipe: Recipe, run_dir: str | Path, *, overwrite: bool = Fa
     check_out_dir(Path(run_dir), None, resume=False)
     mark_run_dir(Path(run_dir))
     d = recipe.data
-    train = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang], d.dataset_config or None)
+    train = d.load_train([d.source_lang, d.target_lang])
     tokenizer = ensure_tokenizer(recipe, run_dir, train)
     head = train.select(range(min(sample, len(train))))
     stats = {"directory": str(directory), "files": [str(f) for f in tokenizer.files], "joint": tokenizer.joint}

@@ -60,6 +60,7 @@ class CorpusData(DataConfig):
     dataset: str = "bentrevett/multi30k"
     dataset_config: str = ""  # a Hub dataset's configuration, e.g. "de-en" for wmt14; "" for none
     train_split: str = "train"
+    train_limit: int = 0  # train on the split's first N rows (a smaller scale of the same corpus); 0: all
     valid_split: str = "validation"
     test_split: str = "test"
     tokenizer: Tokenization = "unigram"
@@ -71,11 +72,25 @@ class CorpusData(DataConfig):
         """The columns every row holds (each task's table says which)."""
         raise NotImplementedError
 
+    def training_rows(self, rows):
+        """The rows of the training split a run trains on (and its tokenizer learns from): the
+        first train_limit of them, or all."""
+        if self.train_limit and self.train_limit < len(rows):
+            return rows.select(range(self.train_limit))
+        return rows
+
+    def load_train(self, fields: list[str], **strict):
+        """The training split as a run sees it (training_rows)."""
+        return self.training_rows(load_split(self.dataset, self.train_split, fields, self.dataset_config or None,
+                                             **strict))
+
     def fingerprints(self) -> dict[str, str]:
         return data_fingerprints(self.dataset, self.fields())
 
     def problems(self) -> list[str]:
         out = super().problems() + positive(self, "vocab_size")
+        if self.train_limit < 0:
+            out.append(f"data.train_limit: expected 0 (the whole split) or a number of rows, found {self.train_limit}")
         if not 0 < self.character_coverage <= 1:
             out.append(f"data.character_coverage: expected a number in (0, 1], found {self.character_coverage}")
         return out
@@ -201,7 +216,7 @@ def load_training_splits(data: CorpusData, fields: list[str], emit: Event, numer
     config = data.dataset_config or None
     strict = {} if numeric is None else {"complete": True, "numeric": numeric}
     # validation is a measurement: a missing reference would be scored as an empty sentence
-    return (load_split(data.dataset, data.train_split, fields, config, **strict),
+    return (data.load_train(fields, **strict),
             load_split(data.dataset, data.valid_split, fields, config, complete=True, numeric=numeric or ()))
 
 

@@ -87,8 +87,8 @@ class ClassificationTask(Task):
     def encoder_settings(self) -> dict:
         """What an encoder in RUN/tokenizer was made from; a run may only reuse one made the same way."""
         d = self.recipe.data
-        keys = ("task", "dataset", "dataset_config", "text_field", "label_field", "train_split", "tokenizer",
-                "vocab_size", "character_coverage", "byte_fallback")
+        keys = ("task", "dataset", "dataset_config", "text_field", "label_field", "train_split", "train_limit",
+                "tokenizer", "vocab_size", "character_coverage", "byte_fallback")
         return {k: getattr(d, k) for k in keys}
 
     def model_sizes(self) -> dict:
@@ -312,7 +312,7 @@ def check_encoder(directory: Path, wanted: dict) -> None:
     path = directory / "encoder.json"
     if not path.is_file():
         return
-    saved = json.loads(path.read_text()).get("settings", {})
+    saved = {"train_limit": 0, **json.loads(path.read_text()).get("settings", {})}  # an older encoder's: all rows
     differ = [k for k in wanted if saved.get(k) != wanted[k]]
     if differ:
         found = ", ".join(f"data.{k} = {saved.get(k)!r}" for k in differ)

@@ -336,7 +336,7 @@ class TranslationTask(Task):
         limit = recipe.model.max_positions - 1
         sources = [s[:limit] for s in self.tokenizer.encode(list(raw[d.source_lang]), "source")]
         targets = [t[:limit] for t in self.tokenizer.encode(list(raw[d.target_lang]), "target")]
-        train = load_split(d.dataset, d.train_split, fields, d.dataset_config or None)
+        train = d.load_train(fields)
         frequency = {side: _counts(self.tokenizer.encode(list(train[lang]), side), self.tokenizer.vocab_size(side))
                      for side, lang in (("source", d.source_lang), ("target", d.target_lang))}
         subject = TranslationSubject(model, recipe, rt, self.tokenizer, sources, targets, list(raw[d.target_lang]),
@@ -397,10 +397,15 @@ class TranslationSubject(Subject):
 # ---------------------------------------------------------------- the run's tokenizer
 
 
+# what a tokenizer's settings.json meant by a key it was written without (an older xformer's)
+SETTINGS_BEFORE = {"train_limit": 0}
+
+
 def tokenizer_settings(recipe: Recipe) -> dict:
     d = recipe.data
-    return {"dataset": d.dataset, "train_split": d.train_split, "source_lang": d.source_lang,
-            "target_lang": d.target_lang, "tokenizer": d.tokenizer, "vocab_size": d.vocab_size,
+    return {"dataset": d.dataset, "train_split": d.train_split, "train_limit": d.train_limit,
+            "source_lang": d.source_lang, "target_lang": d.target_lang, "tokenizer": d.tokenizer,
+            "vocab_size": d.vocab_size,
             "joint_vocab": d.joint_vocab, "character_coverage": d.character_coverage,
             "byte_fallback": d.byte_fallback, "seed": recipe.train.seed}
 
@@ -417,6 +422,7 @@ def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> T
         saved_path = directory / SETTINGS
         if saved_path.is_file():
             saved = json.loads(saved_path.read_text())
+            saved = {**SETTINGS_BEFORE, **saved}
             differ = [k for k in wanted if k not in ("dataset", "seed") and saved.get(k) != wanted[k]]
             if differ:
                 found = ", ".join(f"{k} = {saved.get(k)!r}" for k in differ)
@@ -425,7 +431,7 @@ def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> T
                                "xformer tokenize --overwrite, or use another --out)")
         return Tokenizer.load(directory, d.source_lang, d.target_lang)
     if train_split is None:
-        train_split = load_split(d.dataset, d.train_split, [d.source_lang, d.target_lang], d.dataset_config or None)
+        train_split = d.load_train([d.source_lang, d.target_lang])
     tokenizer = train_tokenizer(
         train_split, d.source_lang, d.target_lang, directory, model_type=d.tokenizer, vocab_size=d.vocab_size,
         joint=d.joint_vocab, character_coverage=d.character_coverage, byte_fallback=d.byte_fallback,
