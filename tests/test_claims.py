@@ -7,6 +7,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import tomllib
 from typer.testing import CliRunner
 
 from tests.test_experiment import recall_spec
@@ -273,6 +274,29 @@ def test_the_ledger_gives_no_verdict_from_an_undertrained_baseline(ledger, tmp_p
     (records / "depth.json").write_text(json.dumps(record))
     rebuilt = build_ledger(specs, tmp_path / "no-runs", tmp_path / "claims.md", records)
     assert next(r for r in rebuilt.rows if r["name"] == "depth")["verdict"] == "inconclusive: 2 seeds (3 needed)"
+
+
+def test_a_record_names_the_spec_and_recipe_it_was_measured_from(ledger, tmp_path):
+    """A chain resuming on a fresh machine skips a spec whose record was measured from the spec
+    and recipe as they are now, and retrains it when either changed."""
+    import hashlib
+
+    from xformer.ledger import record_is_current
+
+    folder, specs, out, _ = ledger
+    record = out.parent / "claims" / "depth.json"
+    kept = json.loads(record.read_text())
+    spec = specs / "depth.toml"
+    recipe = (spec.parent / tomllib.loads(spec.read_text())["experiment"]["recipe"])
+    assert kept["spec_sha256"] == hashlib.sha256(spec.read_bytes()).hexdigest()
+    assert kept["recipe_sha256"] == hashlib.sha256(recipe.read_bytes()).hexdigest()
+    assert record_is_current(spec, record)
+    copy = tmp_path / "specs"
+    shutil.copytree(specs, copy)
+    assert record_is_current(copy / "depth.toml", record)  # where it lies does not matter
+    (copy / "depth.toml").write_text(spec.read_text().replace("seeds = ", "# changed\nseeds = ", 1))
+    assert not record_is_current(copy / "depth.toml", record)
+    assert not record_is_current(spec, tmp_path / "none.json")
 
 
 def test_the_ledger_regenerates_from_its_records_when_the_runs_are_gone(ledger, tmp_path):

@@ -13,6 +13,7 @@ and returns the ledger's rows.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from datetime import datetime, timezone
@@ -109,11 +110,29 @@ def record_from_run(folder: Path, spec: Path, experiment: Experiment) -> dict | 
         curve["runs"] = [{k: v for k, v in r.items() if k not in LOCAL} for r in curve["runs"]]
     data["source"] = spec.as_posix()
     when = datetime.fromtimestamp(results.stat().st_mtime, tz=timezone.utc).date().isoformat()
-    return {"spec": spec.as_posix(), "measured": when,
+    return {"spec": spec.as_posix(), "measured": when, **measured_from(spec, experiment),
             "hardware": {"cpu": card.get("cpu"), "device": card.get("device"), "precision": card.get("precision"),
                          "torch": card.get("versions", {}).get("torch")},
             "train_minutes": round(sum(r["train_seconds"] for r in data["runs"]) / 60, 1),
             "differences": differences, "results": data}
+
+
+def measured_from(spec: Path, experiment: Experiment) -> dict[str, str]:
+    """The sha256 of the spec and of the recipe it names, as a record keeps them: a chain that
+    resumes on another machine retrains a spec only when either has changed since
+    (benchmarks/ledger_chain.sh)."""
+    recipe = spec.parent / experiment.config.recipe
+    return {"spec_sha256": hashlib.sha256(spec.read_bytes()).hexdigest(),
+            "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest()}
+
+
+def record_is_current(spec: Path, record: Path) -> bool:
+    """Whether `record` was measured from `spec` and its recipe as they are now."""
+    if not record.is_file():
+        return False
+    _, experiment = read_spec(spec)
+    kept = json.loads(record.read_text())
+    return experiment is not None and all(kept.get(k) == v for k, v in measured_from(spec, experiment).items())
 
 
 WHERE_FROM = ("data.dataset",)  # where the corpus is read from (a local copy, offline): not a setting
