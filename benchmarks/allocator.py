@@ -2,7 +2,7 @@
 
     python benchmarks/allocator.py [--data ../shared/data/multi30k] [--repeats 2]
         [--only bench_train,cpu_step,translate,longrange,experiment] [--flagship-steps 0] [--json FILE]
-        [--arena-max N]
+        [--arena-max N] [--variant VAR=VALUE[,VAR=VALUE...]]...
 
 Each workload runs as a whole process, once with XFORMER_ALLOCATOR=system (glibc as it comes) and
 once tuned, alternated `--repeats` times (system, tuned, system, tuned, ...) so a drift of the
@@ -18,6 +18,9 @@ tuned / system ratios; --json writes every process's figures.
     experiment    xformer experiment, three flagship-sized cells of 30 steps (one process)
     flagship      (--flagship-steps N > 0) xformer train of the flagship recipe for N steps, as many
                   as a 50-minute run takes on the CPU at hand (943 on a 2-core AVX2 EPYC in fp32)
+
+--variant adds a process to each alternation: tuned, with those glibc variables set too (the user's
+own MALLOC_*_ settings win over tune_allocator's), e.g. `--variant MALLOC_TRIM_THRESHOLD_=268435456`.
 
 A flagship-sized run to translate with is trained first (60 steps) and kept in a temporary folder.
 """
@@ -41,12 +44,14 @@ XFORMER = [sys.executable, "-m", "xformer_cli"]
 
 def measured(command: list[str], allocator: str, stdout: Path | None = None) -> dict:
     """Run `command` under XFORMER_ALLOCATOR=`allocator` (no MALLOC_*_ inherited; "tuned+arenaN":
-    tuned, with glibc's MALLOC_ARENA_MAX=N too); the kernel's figures of the process and its
-    children."""
+    tuned, with glibc's MALLOC_ARENA_MAX=N too; "tuned+VAR=VALUE,...": tuned with those variables);
+    the kernel's figures of the process and its children."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    env["XFORMER_ALLOCATOR"], _, arenas = allocator.partition("+arena")
-    if arenas:
-        env["MALLOC_ARENA_MAX"] = arenas
+    env["XFORMER_ALLOCATOR"], _, extra = allocator.partition("+")
+    if extra.startswith("arena"):
+        env["MALLOC_ARENA_MAX"] = extra.removeprefix("arena")
+    elif extra:
+        env |= dict(item.split("=", 1) for item in extra.split(","))
     started = time.perf_counter()
     with open(stdout or os.devnull, "w") as out:
         process = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.PIPE, text=True)
@@ -109,6 +114,8 @@ def main() -> None:
     parser.add_argument("--json", default=None)
     parser.add_argument("--arena-max", type=int, default=0,
                         help="also run tuned with MALLOC_ARENA_MAX=N (a third process each alternation)")
+    parser.add_argument("--variant", action="append", default=[],
+                        help="also run tuned with these glibc variables (VAR=VALUE,...): a process each alternation")
     args = parser.parse_args()
     names = [n for n in args.only.split(",") if n] + (["flagship"] if args.flagship_steps > 0 else [])
     results: dict[str, list[dict]] = {}
@@ -124,7 +131,9 @@ def main() -> None:
             command, read = jobs[name]
             results[name] = []
             for repeat in range(args.repeats):
-                for allocator in ("system", "tuned", *([f"tuned+arena{args.arena_max}"] if args.arena_max else [])):
+                variants = [*([f"tuned+arena{args.arena_max}"] if args.arena_max else []),
+                            *(f"tuned+{v}" for v in args.variant)]
+                for allocator in ("system", "tuned", *variants):
                     count += 1
                     stdout, written = scratch / f"{name}-{count}.out", scratch / f"{name}-{count}.json"
                     line = [part.replace("{n}", str(count)).replace("{json}", str(written)) for part in command]
