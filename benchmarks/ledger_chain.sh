@@ -13,7 +13,8 @@
 # (docs/claims/<spec>.json) to commit them; rerunning the same command resumes a stopped
 # experiment from its checkpoints.
 # Environment: SPECS (default: every CPU-scale spec below), JOBS (runs at once, default 2, one
-# CPU thread each), DEVICE (default cpu).
+# CPU thread each), DEVICE (default cpu), SPEC_DIR (default recipes/claims) and LEDGER (default
+# docs/claims.md; its records beside it in claims/).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:?usage: benchmarks/ledger_chain.sh RUNS [path/to/multi30k]}
@@ -22,6 +23,9 @@ specs=${SPECS:-heads ffn_width depth prenorm_depth depth_prenorm residual_layern
   qkv_sharing synthesizer kv_heads heads_sweep layernorm_lr schedule distillation}
 jobs=${JOBS:-2}
 device=${DEVICE:-cpu}
+spec_dir=${SPEC_DIR:-recipes/claims}
+ledger=${LEDGER:-docs/claims.md}
+records="$(dirname "$ledger")/claims"
 sets=()
 if [[ -n "$data" ]]; then
   sets+=(--set "data.dataset=\"${data}\"")
@@ -30,14 +34,14 @@ mkdir -p "$runs"
 for spec in $specs; do
   if python -c "import sys; from pathlib import Path; from xformer.ledger import record_is_current; \
 sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
-      "recipes/claims/${spec}.toml" "docs/claims/${spec}.json"; then
-    echo "${spec}: measured already (docs/claims/${spec}.json)"
+      "${spec_dir}/${spec}.toml" "${records}/${spec}.json"; then
+    echo "${spec}: measured already (${records}/${spec}.json)"
     continue
   fi
   start=$(date +%s)
-  xformer experiment "recipes/claims/${spec}.toml" --out "$runs/${spec}" --reuse "$runs" --device "$device" \
+  xformer experiment "${spec_dir}/${spec}.toml" --out "$runs/${spec}" --reuse "$runs" --device "$device" \
     --jobs "$jobs" "${sets[@]}"
-  xformer claims recipes/claims --runs "$runs" --out docs/claims.md
+  xformer claims "$spec_dir" --runs "$runs" --out "$ledger"
   echo "${spec} $(( ($(date +%s) - start) / 60 )) min, finished $(date -u +%FT%TZ) on $(nproc) cores" \
     >> "$runs/chain.log"
 done

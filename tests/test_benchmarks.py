@@ -1,5 +1,6 @@
-"""The benchmark scripts that a GPU session runs, started on a CPU at a few steps: they must
-train, score and judge before anyone spends GPU minutes on them."""
+"""The benchmark scripts that run the ledger (a GPU session's subset, the CPU-scale chain),
+started on a CPU at a few steps: they must train, score, judge and resume before anyone spends
+GPU minutes or CPU hours on them."""
 
 import json
 import os
@@ -38,3 +39,32 @@ def test_the_gpu_claims_subset_trains_scores_and_judges_on_a_cpu(corpus, tmp_pat
     again = subprocess.run(["bash", str(ROOT / "benchmarks" / "gpu_claims.sh"), str(out), str(corpus)], env=env,
                            capture_output=True, text=True)
     assert again.returncode == 0 and "12 runs, 12 done already" in again.stderr + again.stdout
+
+
+def test_the_ledger_chain_resumes_from_committed_records_without_retraining(tmp_path):
+    """The chain measures each spec once: a second call on a machine without the run folders
+    (a fresh clone with the records committed) trains nothing, and a spec changed since its
+    record was measured is trained again."""
+    from tests.test_claims import SPEC
+
+    specs, ledger = tmp_path / "specs", tmp_path / "docs" / "claims.md"
+    specs.mkdir()
+    (specs / "depth.toml").write_text(SPEC)
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+           "SPECS": "depth", "SPEC_DIR": str(specs), "LEDGER": str(ledger), "JOBS": "1"}
+
+    def chain(runs):
+        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "ledger_chain.sh"), str(runs)], env=env,
+                              capture_output=True, text=True)
+        assert done.returncode == 0, done.stderr[-3000:]
+        return done.stdout
+
+    chain(tmp_path / "runs")
+    record = ledger.parent / "claims" / "depth.json"
+    measured = json.loads(record.read_text())
+    assert measured["results"]["seeds"] == [1, 2, 3] and "depth" in (tmp_path / "runs" / "chain.log").read_text()
+    assert "depth: measured already" in chain(tmp_path / "fresh")  # no run folders: the record is enough
+    assert not (tmp_path / "fresh" / "depth").exists() and json.loads(record.read_text()) == measured
+    (specs / "depth.toml").write_text(SPEC.replace("seeds = [1, 2, 3]", "seeds = [1, 2, 4]"))
+    assert "measured already" not in chain(tmp_path / "fresh")
+    assert json.loads(record.read_text())["results"]["seeds"] == [1, 2, 4]
