@@ -297,6 +297,13 @@ def test_a_record_names_the_spec_and_recipe_it_was_measured_from(ledger, tmp_pat
     (copy / "depth.toml").write_text(spec.read_text().replace("seeds = ", "# changed\nseeds = ", 1))
     assert not record_is_current(copy / "depth.toml", record)
     assert not record_is_current(spec, tmp_path / "none.json")
+    # the ledger does not judge a record of an earlier version of its spec, and says so
+    from xformer.ledger import build_ledger
+
+    rebuilt = build_ledger(copy, tmp_path / "no-runs", tmp_path / "claims.md", out.parent / "claims")
+    row = next(r for r in rebuilt.rows if r["name"] == "depth")
+    assert row["verdict"] == "not measured yet" and row["earlier"] == "the spec changed since"
+    assert "is of an earlier version of this spec (the spec changed since)" in (tmp_path / "claims.md").read_text()
 
 
 def test_the_ledger_regenerates_from_its_records_when_the_runs_are_gone(ledger, tmp_path):

@@ -126,6 +126,21 @@ def measured_from(spec: Path, experiment: Experiment) -> dict[str, str]:
             "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest()}
 
 
+def stale_record(spec: Path, experiment: Experiment, record: dict) -> str | None:
+    """Why a kept record is of an earlier version of `spec` (None when it is of this one): its
+    spec or recipe digest differs, or, for a record from before digests were kept, it ran other
+    cells or seeds. A stale record stays on disk but is not judged."""
+    if "spec_sha256" in record:
+        now = measured_from(spec, experiment)
+        changed = [key.removesuffix("_sha256") for key in now if record.get(key) != now[key]]
+        return f"the {' and the '.join(changed)} changed since" if changed else None
+    results = record["results"]
+    ran = {"seeds": results.get("seeds"), "cells": sorted(c["cell"] for c in results.get("cells", []))}
+    wanted = {"seeds": experiment.config.seeds, "cells": sorted(experiment.cells)}
+    differ = [f"{key} {ran[key]} where the spec has {wanted[key]}" for key in ran if ran[key] != wanted[key]]
+    return "it ran " + "; ".join(differ) if differ else None
+
+
 def record_is_current(spec: Path, record: Path) -> bool:
     """Whether `record` was measured from `spec` and its recipe as they are now."""
     if not record.is_file():
@@ -183,7 +198,10 @@ def build_ledger(specs: Path, runs: Path, out: Path, records: Path | None = None
                 atomic_write_text(kept, json.dumps(record, indent=2) + "\n")
             elif kept.is_file():
                 record = json.loads(kept.read_text())
-        rows.append(_row(path, claim, experiment, record))
+        earlier = stale_record(path, experiment, record) if record is not None else None
+        rows.append(_row(path, claim, experiment, None if earlier else record))
+        if earlier:
+            rows[-1]["earlier"] = earlier
         if record is not None and record["results"].get("curves"):
             png = records / f"{path.stem}.png"
             curve_png(record["results"], png)
@@ -203,6 +221,12 @@ def _is_record(path: Path) -> bool:
     return isinstance(record, dict) and {"spec", "measured", "results"} <= set(record)
 
 
+def _budget(c) -> str:
+    if c.budgets:
+        return f"{c.budgets[-1]} steps (wsd; cooldowns branched at {', '.join(map(str, c.budgets[:-1]))})"
+    return f"{c.max_steps} steps" if c.max_steps else f"{c.max_time:g} minutes"
+
+
 def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict | None) -> dict:
     row = {"number": claim.number, "says": claim.says, "source": claim.source, "scale": claim.scale,
            "spec": path.as_posix(), "name": path.stem, "anchor": claim.anchor}
@@ -212,8 +236,7 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
     c = experiment.config
     row["corpus"] = bool(getattr(experiment.recipe(c.baseline, c.seeds[0]).data, "dataset", ""))  # not generated
     row["design"] = (f"{experiment.config.recipe} with cells {cells}; baseline {c.baseline}; seeds "
-                     f"{', '.join(map(str, c.seeds))}; " + (f"{c.max_steps} steps" if c.max_steps else
-                                                             f"{c.max_time:g} minutes") + " a run")
+                     f"{', '.join(map(str, c.seeds))}; " + _budget(c) + " a run")
     if record is None:
         return {**row, "verdict": "not measured yet"}
     results = record["results"]
@@ -338,6 +361,9 @@ def _markdown(rows: list[dict]) -> str:
                   "`xformer claims` to regenerate this page."]
         if "record" not in r:
             lines += ["", "Not measured yet."]
+            if r.get("earlier"):
+                lines[-1] += (f" The record kept ({r['name']}.json) is of an earlier version of this spec "
+                              f"({r['earlier']}), so it is not judged.")
             continue
         rec = r["record"]
         lines += ["", f"Settings: {_settings(r['differences'])}"]
