@@ -1,4 +1,6 @@
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 import datasets
@@ -6,6 +8,23 @@ import pytest
 import torch
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+
+
+def pytest_configure(config):
+    """A compile cache of the suite's own (inherited by the processes tests start): torch's
+    inductor cache is keyed without ATEN_CPU_CAPABILITY, so after a native run on an AVX512 CPU
+    a run under the AVX2 emulation was served the other ISA's flex-attention kernels and read
+    out of bounds (torch 2.13). A user's own TORCHINDUCTOR_CACHE_DIR is kept."""
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        config._xformer_inductor = tempfile.mkdtemp(prefix="xformer-tests-inductor-")
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = config._xformer_inductor
+
+
+def pytest_unconfigure(config):
+    made = getattr(config, "_xformer_inductor", None)
+    if made:
+        shutil.rmtree(made, ignore_errors=True)
+        os.environ.pop("TORCHINDUCTOR_CACHE_DIR", None)
 
 
 @pytest.fixture(scope="session")
