@@ -129,6 +129,29 @@ def test_a_speed_timed_beside_other_work_judges_nothing():
     assert judge(check, data).verdict == "supported"
 
 
+def test_a_head_role_count_is_judged_against_the_same_runs_at_initialisation():
+    """"Heads specialise": each seed's trained count minus its own untrained count (the chance
+    level), by the same t-interval as any check; the spec may not name another cell then."""
+    from xformer.claims import claim_from_table
+
+    data = results({"base": BASE}, {})
+    for run, trained, init in zip(data["runs"], [5, 6, 4], [0, 1, 0], strict=True):
+        run["heads"], run["positional_heads"], run["positional_heads_init"] = 24, trained, init
+    check = Check("base", "better", metric="positional_heads", than_init=True)
+    outcome = judge(check, data)  # +5, +5, +4: the interval [+3.23, +6.10] excludes 0
+    assert outcome.verdict == "supported", outcome.reason
+    assert "base - base at initialisation positional_heads per seed" in outcome.reason
+    assert describe(check, "base") == "base in positional heads better than base at initialisation"
+    for run in data["runs"]:  # fewer after training than before: the whole interval below 0
+        run["positional_heads"], run["positional_heads_init"] = run["positional_heads_init"], run["positional_heads"]
+    assert judge(check, data).verdict == "contradicted"
+    table = {"number": 5, "says": "Heads specialise.", "anchor": "none: a count",
+             "checks": [{"cell": "base", "metric": "positional_heads", "than_init": True, "than": "other"},
+                        {"cell": "base", "metric": "test", "than_init": True}]}
+    _, _, problems = claim_from_table(table, ["base", "other"], "spec.toml", baseline="base")
+    assert sum("than_init compares a head-role count" in p for p in problems) == 2, problems
+
+
 def test_a_memory_check_reads_the_kv_cache_as_larger_or_smaller():
     data = results({"base": BASE, "mqa": [9.0, 10.0, 11.0]}, {"mqa": [0.01] * 3})
     for run, mb in zip(data["runs"], [8.0, 8.0, 8.0, 2.0, 2.0, 2.0], strict=True):

@@ -159,6 +159,33 @@ def test_a_run_finished_in_another_experiment_is_copied_not_trained_again(done, 
     assert missing.exit_code == 2 and "--reuse expected a folder of finished runs" in missing.stderr
 
 
+def test_inspect_heads_counts_each_runs_head_roles_once_beside_its_initialisation(done, corpus, tmp_path):
+    """experiment.inspect_heads: every run's row holds its heads' role counts and the chance
+    level (the same model untrained), as xformer.heads.roles counts them, kept in RUN/heads and
+    not counted again on a rerun."""
+    from xformer.heads.roles import role_counts
+
+    spec, out, _ = done
+    roles = tmp_path / "roles.toml"
+    roles.write_text(SPEC.replace("heads_1 = [\"model.n_heads=1\"]\n", "")
+                     .replace("max_steps = 6", "max_steps = 6\ninspect_heads = 10"))
+    args = ["experiment", str(roles), *sets(corpus), "--out", str(tmp_path / "out"), "--device", "cpu",
+            "--reuse", str(out.parent), "--json"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(result.stdout.strip().splitlines()[-1])["runs"]
+    kept = tmp_path / "out" / "runs" / "heads_2-s1" / "heads" / "roles.json"
+    assert kept.is_file() and all((tmp_path / "out" / "runs" / f"heads_2-s{s}" / "heads" / "roles.json").is_file()
+                                  for s in (1, 2))
+    for row in rows:
+        counted = role_counts(tmp_path / "out" / "runs" / f"heads_2-s{row['seed']}", 10)
+        assert {k: row[k] for k in counted} == counted and row["heads"] == 2 * 3
+    before = kept.stat().st_mtime_ns
+    again = runner.invoke(app, args)
+    assert again.exit_code == 0, again.output
+    assert kept.stat().st_mtime_ns == before
+
+
 def test_a_cell_that_only_decodes_otherwise_scores_a_copy_again(done, corpus, tmp_path):
     spec, out, report = done
     other = tmp_path / "int8.toml"  # heads_2 decoded in int8: the same trained runs, scored again

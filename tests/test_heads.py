@@ -15,6 +15,7 @@ from typer.testing import CliRunner
 from xformer.config import ModelConfig
 from xformer.data.classify import Examples, TextEncoder
 from xformer.heads import importance as imp
+from xformer.heads import stats
 from xformer.heads.stats import clusters, collect
 from xformer.model.build import attention_modules, build_model
 from xformer.recipe_io import load_recipe
@@ -341,3 +342,44 @@ def test_cli_inspects_prunes_and_saves_a_translation_model(translation_run, tmp_
     again = invoke("inspect-heads", translation_run, "--out", out, "--n-examples", 5, "--save-pruned", pruned)
     assert again.exit_code == 2 and "not empty" in again.output  # nothing is overwritten
     assert invoke("inspect-heads", tmp_path / "missing").exit_code == 2
+
+
+def test_role_counts_are_what_inspect_heads_finds_trained_and_at_initialisation(translation_run, tmp_path,
+                                                                                 monkeypatch):
+    """The ledger's "heads specialise" counts: the trained checkpoint's roles are those of
+    inspect-heads' own report, and the chance level is what inspect-heads reports for a run
+    whose checkpoint holds the same model as built before training (seeded as train seeds it).
+    The criteria are loosened so that a 20-step model's heads take roles to count."""
+    import shutil
+
+    import torch
+
+    from xformer.checkpoint import save_checkpoint
+    from xformer.heads.roles import ROLES, role_counts
+    from xformer.recipe_io import load_run_recipe
+    from xformer.tasks import make_task
+
+    def counted(run, out):
+        result = invoke("inspect-heads", run, "--out", out, "--n-examples", 20, "--checkpoint", "last")
+        assert result.exit_code == 0, result.output
+        heads = json.loads((out / "heads.json").read_text())["heads"]
+        return len(heads), {key: sum(any(r.startswith(role) for r in h["roles"]) for h in heads)
+                            for role, key in ROLES.items()}
+
+    for name, value in (("POSITIONAL_MIN", 0.4), ("SPECIAL_MIN", 0.2), ("RARE_MIN_RATIO", 1.2),
+                        ("RARE_MIN_RATE", 0.05)):
+        monkeypatch.setattr(stats, name, value)
+    counts = role_counts(translation_run, 20, checkpoint="last")
+    n, trained = counted(translation_run, tmp_path / "trained")
+    assert counts["heads"] == n == 8 and {k: counts[k] for k in trained} == trained
+
+    untrained = tmp_path / "untrained"
+    shutil.copytree(translation_run, untrained, ignore=shutil.ignore_patterns("heads", "*.lock"))
+    recipe = load_run_recipe(untrained)
+    task = make_task(recipe)
+    task.open_run(untrained, "last", "cpu")  # the run's vocabulary, so the model has its sizes
+    torch.manual_seed(recipe.train.seed)
+    save_checkpoint(untrained / "checkpoints" / "last.safetensors", task.build_model(), meta={"step": 0})
+    _, at_init = counted(untrained, tmp_path / "init")
+    assert {k: counts[f"{k}_init"] for k in at_init} == at_init
+    assert trained != at_init  # so the comparison can tell the trained model from its initialisation

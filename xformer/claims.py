@@ -54,10 +54,15 @@ from xformer.experiment_report import OTHERS
 from xformer.strict import did_you_mean, section_from_dict
 
 Expect = Literal["better", "worse", "not_better", "not_worse", "same"]
-Metric = Literal["test", "train_speed", "decode_speed", "decode_memory"]
+Metric = Literal["test", "train_speed", "decode_speed", "decode_memory", "positional_heads", "rare_word_heads",
+                 "special_heads"]
 Length = Literal["", "median_source", "max_source"]
 METRIC_KEYS = {"test": "test", "train_speed": "train_steps_per_s", "decode_speed": "decode_per_s",
-               "decode_memory": "decode_cache_mb"}  # in results.json
+               "decode_memory": "decode_cache_mb", "positional_heads": "positional_heads",
+               "rare_word_heads": "rare_word_heads", "special_heads": "special_heads"}  # in results.json
+# heads with a role (experiment.inspect_heads; xformer.heads.roles): what training put there, so a
+# verdict on them, as on the test score, waits for a converged baseline
+ROLE_METRICS = ("positional_heads", "rare_word_heads", "special_heads")
 SIZES = ("decode_memory",)  # where better / worse mean larger / smaller
 # the CPU cores other processes took while a speed was timed: the experiment rows' own keys
 OTHERS_KEYS = {metric: OTHERS[key] for metric, key in METRIC_KEYS.items() if key in OTHERS}
@@ -75,6 +80,8 @@ class Check:
     # (or test examples classified) a second
     length: int = 0  # the cell's test score at this length (experiment.lengths) instead of the training one
     than_length: int = 0  # the same for `than`; a cell may then be compared with itself at another length
+    # a head-role count against the same runs' heads at initialisation (the chance level)
+    than_init: bool = False
 
 
 @dataclass
@@ -146,7 +153,11 @@ def claim_from_table(table: dict, cells: list[str] | None, where: str,
             check, ok = section_from_dict(Check, name, raw, problems)
             if ok:
                 problems += _check_problems(check, cells or [], name)
-                if check.cell == (check.than or baseline) and check.length == check.than_length:
+                if check.than_init and (check.metric not in ROLE_METRICS or check.than):
+                    problems.append(f"{name}: than_init compares a head-role count ({', '.join(ROLE_METRICS)}) "
+                                    "with the same cell at initialisation; name no `than`")
+                elif check.cell == (check.than or baseline) and check.length == check.than_length \
+                        and not check.than_init:
                     problems.append(f"{name}: compares {check.cell!r} with itself; name another cell in `than`, or "
                                     "another length (length, than_length)")
                 if (check.length or check.than_length) and check.metric != "test":
@@ -210,10 +221,13 @@ def _check_problems(check: Check, cells: list[str], name: str) -> list[str]:
 def judge(check: Check, results: dict) -> Outcome:
     """Judge one check against an experiment's results.json (xformer.experiment): on the
     seed-paired mean difference and its 95% t-interval across seeds (module docstring)."""
-    than = check.than or results["baseline"]
+    than = check.cell if check.than_init else check.than or results["baseline"]
     seeds = results["seeds"]
-    # the cell and what it is compared with, seed by seed (itself at another length, it may be)
+    # the cell and what it is compared with, seed by seed (itself at another length, or at
+    # initialisation, it may be)
     mine, theirs = (_scores(results, check.metric, length) for length in (check.length, check.than_length))
+    if check.than_init:
+        theirs = {(r["cell"], r["seed"]): r.get(METRIC_KEYS[check.metric] + "_init") for r in results["runs"]}
     mine, theirs = [mine[(check.cell, s)] for s in seeds], [theirs[(than, s)] for s in seeds]
     if None in mine or None in theirs:
         how = "measured" if check.metric in SIZES else "timed"
@@ -241,7 +255,7 @@ def judge(check: Check, results: dict) -> Outcome:
               if p_values is not None else "")
     shown = ", ".join(_relative(d, base) for d in diffs)
     named = (f"{check.cell}{f' at {check.length}' if check.length else ''} - "
-             f"{than}{f' at {check.than_length}' if check.than_length else ''}")
+             f"{than}{f' at {check.than_length}' if check.than_length else ''}{' at initialisation' * check.than_init}")
     cannot = sorted({f"{r['cell']} at {n}" for r in results["runs"] for n in (r.get("cannot") or {})
                      if r["cell"] in (check.cell, than) and int(n) in (check.length, check.than_length)})
     if cannot:  # no positions that far: scored as no correct answer
@@ -413,8 +427,8 @@ def describe(check: Check, baseline: str) -> str:
     """What the check says, e.g. "gelu better than relu by 0.5% to 1%"."""
     speed = "" if check.metric == "test" else f" in {check.metric.replace('_', ' ')}"
     at, than_at = (f" at {n} tokens" if n else "" for n in (check.length, check.than_length))
-    words = (f"{check.cell}{at}{speed} {_in_words(check, check.expect.replace('_', ' '))} than "
-             f"{check.than or baseline}{than_at}")
+    than = f"{check.cell} at initialisation" if check.than_init else check.than or baseline
+    words = f"{check.cell}{at}{speed} {_in_words(check, check.expect.replace('_', ' '))} than {than}{than_at}"
     if not (check.percent or check.points):
         return words
     how = {"same": "within", "not_worse": "allowing"}.get(check.expect, "by")

@@ -61,6 +61,7 @@ from xformer.experiment_report import SPEEDS, write_results
 from xformer.experiment_scoring import (
     at_lengths,
     diverged_at,
+    head_roles,
     input_lengths,
     score_diverged,
     score_run,
@@ -96,6 +97,9 @@ class ExperimentConfig:
     lengths: list[int] = field(default_factory=list)
     max_time: float = 0.0  # minutes of training per run; 0: no time limit
     set: list[str] = field(default_factory=list)
+    # each run's best checkpoint has its attention heads' roles counted on this many validation
+    # examples, beside the same model's at initialisation (xformer.heads.roles); 0: not inspected
+    inspect_heads: int = 0
     rescore: bool = False  # score runs copied by --reuse again here (a speed claim times every run in one sitting)
     # the baseline's converged test score at this scale (measured, e.g. the CPU scale's); the
     # ledger gives no verdict while the baseline scores under 90% of it (xformer.claims); 0: none
@@ -110,6 +114,8 @@ class ExperimentConfig:
         if self.baseline not in cells:
             out.append(f"experiment.baseline: expected one of the cells ({', '.join(cells) or 'none'}), "
                        f"found {self.baseline!r}{did_you_mean(self.baseline, list(cells))}")
+        if self.inspect_heads < 0:
+            out.append(f"experiment.inspect_heads: expected a number of examples (0: none), found {self.inspect_heads}")
         if any(n < 2 for n in self.lengths):
             out.append(f"experiment.lengths: expected lengths of at least 2 tokens, found {self.lengths}")
         if self.budgets:
@@ -311,7 +317,8 @@ def _train_one(experiment: Experiment, out_dir: Path, index: int, cell: str, see
             diverged = exc.step
     if diverged is None:
         rows[(cell, seed)] = {**score_run(run_dir, cell, seed, device),
-                              **at_lengths(run_dir, experiment.config.lengths, device)}
+                              **at_lengths(run_dir, experiment.config.lengths, device),
+                              **head_roles(run_dir, experiment.config.inspect_heads, device)}
     else:
         rows[(cell, seed)] = score_diverged(experiment, run_dir, cell, seed, diverged)
         if experiment.config.lengths:  # it answers nothing at any length

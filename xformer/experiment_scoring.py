@@ -13,6 +13,7 @@ from xformer.checkpoint import read_checkpoint_meta
 from xformer.data.corpus import load_split
 from xformer.evaluate import CannotExtrapolate, evaluate_run
 from xformer.files import atomic_write_text
+from xformer.heads.roles import role_counts
 from xformer.tasks import make_task, parameter_count
 from xformer.tasks.base import checkpoint_identity
 
@@ -77,6 +78,23 @@ def at_lengths(run_dir: Path, lengths: list[int], device: str) -> dict:
                 continue
         scores[str(length)] = found["accuracy"]
     return {"test_at": scores, **({"cannot": cannot} if cannot else {})}
+
+
+def head_roles(run_dir: Path, n_examples: int, device: str) -> dict:
+    """The heads of the run's best checkpoint with each role, and of the same model at
+    initialisation (xformer.heads.roles), counted on `n_examples` validation examples once and
+    kept in RUN/heads/roles.json; {} when n_examples is 0."""
+    if not n_examples:
+        return {}
+    kept = run_dir / "heads" / "roles.json"
+    sha = checkpoint_identity(run_dir, "best")[0]["sha256"]
+    found = json.loads(kept.read_text()) if kept.is_file() else {}
+    if found.get("checkpoint_sha256") != sha or found.get("n_examples") != n_examples:
+        found = {"checkpoint_sha256": sha, "n_examples": n_examples,
+                 "counts": role_counts(run_dir, n_examples, device="cpu" if device == "auto" else device)}
+        kept.parent.mkdir(exist_ok=True)
+        atomic_write_text(kept, json.dumps(found, indent=2))
+    return found["counts"]
 
 
 def machine(card: dict) -> dict:

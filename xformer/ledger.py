@@ -16,12 +16,14 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
 from xformer.claims import (
     CONVERGED_GAIN,
     METRIC_KEYS,
+    ROLE_METRICS,
     Claim,
     claim_from_table,
     convergence,
@@ -249,7 +251,7 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
         if holds is not True:
             untestable.append(f"{condition.what} ({found}{'' if holds is False else ': not checked'})")
     converged = convergence(results, c.baseline, c.reference)
-    if not any(check.metric == "test" for check in experiment.checks):  # a speed or a size: training does not move it
+    if not any(check.metric in ("test", *ROLE_METRICS) for check in experiment.checks):  # a speed or a size only
         converged = {**converged, "converged": True, "reason": "not needed: speed and memory checks only"}
     shown = measured if converged["converged"] else (
         "inconclusive: convergence not measured" if converged["converged"] is None else "inconclusive: undertrained")
@@ -432,6 +434,13 @@ def _measured(row: dict) -> str:
     parts += [f"{name} {c['difference']:+.2f}" for name, c in cells.items() if "difference" in c]
     for cell, metric in sorted({(c["cell"], c["metric"]) for c in row["checks"] if c["metric"] != "test"}):
         key = METRIC_KEYS[metric]
+        if metric in ROLE_METRICS:  # counted per run, beside the same heads at initialisation
+            runs = [r for r in res["runs"] if r["cell"] == cell and r.get(key) is not None]
+            if runs:
+                trained, init = (statistics.fmean(r[k] for r in runs) for k in (key, f"{key}_init"))
+                role = metric.removesuffix("_heads").replace("_", "-")
+                parts.append(f"{cell} {trained:.1f} of {runs[0]['heads']} heads {role} ({init:.1f} at initialisation)")
+            continue
         mine, theirs = cells[cell].get(f"{key}_mean"), base.get(f"{key}_mean")
         if mine is not None and theirs:
             parts.append(f"{cell} {mine / theirs:.2f}x the {metric.replace('_', ' ')}")
