@@ -42,8 +42,15 @@ sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
     continue
   fi
   start=$(date +%s)
+  status=0
   xformer experiment "${spec_dir}/${spec}.toml" --out "$runs/${spec}" --reuse "$runs" --device "$device" \
-    --jobs "$jobs" "${sets[@]}"
+    --jobs "$jobs" "${sets[@]}" || status=$?
+  if (( status != 0 )); then
+    # one spec's failure (a bad spec, a crash) is logged and the chain goes on; a stop signal ends it
+    echo "${spec} FAILED (exit ${status}) $(date -u +%FT%TZ)" >> "$runs/chain.log"
+    if (( status > 128 )); then exit "$status"; fi
+    continue
+  fi
   xformer claims "$spec_dir" --runs "$runs" --out "$ledger"
   echo "${spec} $(( ($(date +%s) - start) / 60 )) min, finished $(date -u +%FT%TZ) on $(nproc) cores" \
     >> "$runs/chain.log"

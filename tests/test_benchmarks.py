@@ -44,14 +44,14 @@ def test_the_gpu_claims_subset_trains_scores_and_judges_on_a_cpu(corpus, tmp_pat
 def test_the_ledger_chain_resumes_from_committed_records_without_retraining(tmp_path):
     """The chain measures each spec once: a second call on a machine without the run folders
     (a fresh clone with the records committed) trains nothing, and a spec changed since its
-    record was measured is trained again."""
+    record was measured is trained again. A spec that fails is logged and skipped."""
     from tests.test_claims import SPEC
 
     specs, ledger = tmp_path / "specs", tmp_path / "docs" / "claims.md"
     specs.mkdir()
     (specs / "depth.toml").write_text(SPEC)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "SPECS": "depth", "SPEC_DIR": str(specs), "LEDGER": str(ledger), "JOBS": "1"}
+           "SPECS": "missing depth", "SPEC_DIR": str(specs), "LEDGER": str(ledger), "JOBS": "1"}
 
     def chain(runs):
         done = subprocess.run(["bash", str(ROOT / "benchmarks" / "ledger_chain.sh"), str(runs)], env=env,
@@ -62,7 +62,10 @@ def test_the_ledger_chain_resumes_from_committed_records_without_retraining(tmp_
     chain(tmp_path / "runs")
     record = ledger.parent / "claims" / "depth.json"
     measured = json.loads(record.read_text())
-    assert measured["results"]["seeds"] == [1, 2, 3] and "depth" in (tmp_path / "runs" / "chain.log").read_text()
+    log = (tmp_path / "runs" / "chain.log").read_text()
+    assert measured["results"]["seeds"] == [1, 2, 3] and "\ndepth " in log
+    assert log.startswith("missing FAILED (exit 2)")  # a spec that fails is logged, and the chain goes on
+    env["SPECS"] = "depth"
     assert "depth: measured already" in chain(tmp_path / "fresh")  # no run folders: the record is enough
     assert not (tmp_path / "fresh" / "depth").exists() and json.loads(record.read_text()) == measured
     (specs / "depth.toml").write_text(SPEC.replace("seeds = [1, 2, 3]", "seeds = [1, 2, 4]"))

@@ -172,3 +172,32 @@ word = [{json.dumps(f"distill.teacher={json.dumps(str(teacher))}")}, "distill.ki
     assert made.exit_code == 0, made.output
     report = json.loads(made.stdout.strip().splitlines()[-1])
     assert report["teachers"] == {"word": {"run": str(teacher), "test": scored.bleu, "steps": 30}}
+
+
+def test_distilled_cells_train_through_a_learning_curve(corpus, teacher, tmp_path):
+    """The ledger's distillation spec at its CPU scale: reference, word- and sequence-level
+    students, each trained once through the wsd curve with a cooldown branched from it; every
+    budget scored, and the teacher's score beside the students'."""
+    from tests.test_train import RECIPE, TINY
+
+    path = json.dumps(str(teacher))
+    spec = tmp_path / "distillation.toml"
+    spec.write_text(f'''[experiment]
+recipe = {json.dumps(str(RECIPE))}
+seeds = [1]
+baseline = "references"
+budgets = [4, 8]
+set = {json.dumps([*TINY, f"data.dataset={json.dumps(str(corpus))}", "train.valid_every=2"])}
+
+[experiment.cells]
+references = []
+word = ["distill.teacher={path.replace('"', '')}", "distill.kind=word"]
+sequence = ["distill.teacher={path.replace('"', '')}", "distill.kind=sequence", "distill.beam=2"]
+''')
+    result = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "out"), "--device", "cpu", "--json"])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout.strip().splitlines()[-1])
+    assert [c["budget"] for c in report["curves"]] == [4, 8]
+    assert {(r["cell"], r["steps"]) for r in report["runs"]} == {(c, 8) for c in ("references", "word", "sequence")}
+    assert all(len(c["runs"]) == 3 for c in report["curves"])
+    assert report["teachers"]
