@@ -158,7 +158,7 @@ def main() -> None:
 
 
 def cpu_name() -> str:
-    from xformer.runcard import cpu_name as name
+    from xformer.training.run_card import cpu_name as name
 
     return name()
 

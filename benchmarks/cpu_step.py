@@ -32,11 +32,11 @@ import torch
 import torch.nn.functional as F
 
 from xformer.allocator import tune_allocator
+from xformer.config.loading import load_recipe
 from xformer.model.dropout import dropout, use_fast_dropout
-from xformer.optim import build_optimizer
-from xformer.recipe_io import load_recipe
-from xformer.runtime import cpu_bf16, resolve_runtime
 from xformer.tasks import make_task
+from xformer.training.device import cpu_bf16, resolve_runtime
+from xformer.training.optim import build_optimizer
 
 
 def training_step(recipe, task, precision: str, *, fused_adam: bool = True, compiled: bool = False):

@@ -21,14 +21,14 @@ from pathlib import Path
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
+from xformer.config.loading import load_recipe
 from xformer.data.batching import BatchIterator
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import PAD_ID
-from xformer.losses import sequence_loss
-from xformer.recipe_io import load_recipe
 from xformer.tasks import make_task
 from xformer.tasks.translation import ensure_tokenizer
 from xformer.train import run
+from xformer.training.losses import sequence_loss
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "A10": 125.0, "4090": 165.0}
 ROOT = Path(__file__).resolve().parents[1]

@@ -35,7 +35,7 @@ if [[ -n "$data" ]]; then
 fi
 mkdir -p "$runs"
 for spec in $specs; do
-  if python -c "import sys; from pathlib import Path; from xformer.ledger import record_is_current; \
+  if python -c "import sys; from pathlib import Path; from xformer.studies.ledger import record_is_current; \
 sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
       "${spec_dir}/${spec}.toml" "${records}/${spec}.json"; then
     echo "${spec}: measured already (${records}/${spec}.json)"

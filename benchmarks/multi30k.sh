@@ -41,7 +41,7 @@ fi
 python3 - "$run" "$device" "${VALID_ONLY:-}" "${AVERAGES:-}" "${LENPENS:-0.6 1.0 1.4 1.8 2.2 2.6 3.0}" <<'PY'
 import json, sys
 from pathlib import Path
-from xformer.checkpoint import average_run
+from xformer.training.checkpoint import average_run
 from xformer.evaluate import evaluate_run
 run, device, valid_only, averages = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4].split()
 lenpens = [float(x) for x in sys.argv[5].split()]

@@ -29,10 +29,10 @@ import time
 import torch
 import torch.nn.functional as F
 
-from xformer.config import ModelConfig
+from xformer.config.loading import parse_override
+from xformer.config.schema import ModelConfig
 from xformer.data.generators import generate_recall, recall_spec
 from xformer.model.build import build_model
-from xformer.recipe_io import parse_override
 
 
 def tensors(data):

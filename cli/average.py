@@ -6,7 +6,7 @@ from typing import Annotated
 
 import typer
 
-from xformer.checkpoint import average_run
+from xformer.training.checkpoint import average_run
 from xformer_cli.common import JsonOption, RunArgument, flags_named, user_errors
 
 

@@ -8,7 +8,9 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from xformer.bench import (
+from xformer.bench.peers import PEERS, bench_peers
+from xformer.bench.quality import LENPENS, SYSTEMS, QualityBench, QualityConfig, bench_quality
+from xformer.bench.speed import (
     AttentionBench,
     AttentionBenchConfig,
     ModelBench,
@@ -19,8 +21,6 @@ from xformer.bench import (
 )
 from xformer.files import atomic_write_text
 from xformer.locks import FolderLock
-from xformer.peers import PEERS, bench_peers
-from xformer.quality import LENPENS, SYSTEMS, QualityBench, QualityConfig, bench_quality
 from xformer.results import Result
 from xformer_cli.common import (
     Backend,

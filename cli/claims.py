@@ -8,7 +8,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from xformer.ledger import build_ledger
+from xformer.studies.ledger import build_ledger
 from xformer_cli.common import JsonOption, stdout, user_errors
 
 STYLE = {"supported": "green", "contradicted": "red", "depends": "yellow"}

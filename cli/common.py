@@ -22,11 +22,11 @@ except ImportError:  # pragma: no cover - older typer on the public click
     from click import get_current_context
 from rich.console import Console
 
-from xformer import config
+from xformer.config import schema as config
 from xformer.errors import DataError, XformerError
+from xformer.generation.quantize import QUANTIZE
 from xformer.heads.analyse import ABLATIONS, IMPORTANCE_METRICS, PRUNE_ORDERS
 from xformer.model.patterns import PATTERNS
-from xformer.quantize import QUANTIZE
 
 console = Console(stderr=True)  # progress, messages and warnings
 stdout = Console()  # results: tables and lines a user may pipe

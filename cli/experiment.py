@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from xformer.experiment import load_experiment, run_experiment
-from xformer.grid import GridStopped
+from xformer.studies.experiment import load_experiment, run_experiment
+from xformer.studies.grid import GridStopped
 from xformer_cli.common import DeviceOption, JsonOption, stdout, user_errors
 from xformer_cli.display import GridBar
 

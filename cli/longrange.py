@@ -8,8 +8,8 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from xformer.grid import GridStopped
-from xformer.longrange import load_sweep, run_sweep
+from xformer.studies.grid import GridStopped
+from xformer.studies.longrange import load_sweep, run_sweep
 from xformer_cli.common import DeviceOption, stdout, user_errors
 from xformer_cli.display import GridBar
 

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from xformer.recipe_io import load_recipe
+from xformer.config.loading import load_recipe
 from xformer.tokenizing import apply_tokenizer, tokenize_recipe
 from xformer_cli.common import JsonOption, SetOption, Side, console, read_sentences, stdout, user_errors
 from xformer_cli.display import score_table

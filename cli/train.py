@@ -10,10 +10,10 @@ from typing import Annotated
 
 import typer
 
-from xformer.cpuload import busy
+from xformer.config.loading import load_recipe
 from xformer.errors import RecipeError, RunError
-from xformer.recipe_io import load_recipe
 from xformer.train import run
+from xformer.training.cpuload import busy
 from xformer_cli.common import DeviceOption, JsonOption, Precision, SetOption, flags_named, stdout, user_errors
 from xformer_cli.display import TrainDisplay, score_table
 

@@ -7,7 +7,7 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.extras import need
-from xformer.bench import AttentionBenchConfig, _slope, bench_attention
+from xformer.bench.speed import AttentionBenchConfig, _slope, bench_attention
 from xformer_cli.main import app
 
 
@@ -79,8 +79,8 @@ def test_the_command_prints_a_table_and_writes_json(tmp_path):
 
 
 def test_the_model_benches_print_their_figures_and_count_flops_as_written():
-    from xformer.bench import train_flops
-    from xformer.config import ModelConfig
+    from xformer.bench.speed import train_flops
+    from xformer.config.schema import ModelConfig
 
     cfg = ModelConfig(d_model=8, n_heads=2, d_ff=16, n_encoder_layers=1, n_decoder_layers=1)
     # encoder: (4*64 + 2*128) * 3 tokens; decoder: (2*4*64 + 2*128) * 2 + 10 * 8 * 2; scores: 9 + 4 + 6
@@ -106,8 +106,8 @@ def test_the_model_benches_print_their_figures_and_count_flops_as_written():
 
 
 def test_bench_peers_runs_each_peer_in_its_own_process_and_reports_ratios():
-    from xformer.bench import ModelBenchConfig
-    from xformer.peers import bench_peers
+    from xformer.bench.peers import bench_peers
+    from xformer.bench.speed import ModelBenchConfig
 
     config = ModelBenchConfig(d_model=16, n_heads=2, d_ff=32, layers=1, vocab=50, batch=2, steps=1, rounds=2,
                               sentences=2, new_tokens=3, beam=2, device="cpu")
@@ -130,8 +130,8 @@ def test_real_batches_are_xformers_token_buckets_and_every_peer_trains_on_them(c
     and each peer reports real target tokens/s over them."""
     from safetensors.torch import load_file
 
-    from xformer.bench import ModelBenchConfig
-    from xformer.peers import BOS, PAD, bench_peers, real_batches
+    from xformer.bench.peers import BOS, PAD, bench_peers, real_batches
+    from xformer.bench.speed import ModelBenchConfig
 
     config = ModelBenchConfig(d_model=16, n_heads=2, d_ff=32, layers=1, vocab=300, batch=2, steps=1, rounds=1,
                               sentences=2, new_tokens=3, beam=2, device="cpu", data=str(corpus), data_batches=3,

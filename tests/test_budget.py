@@ -9,10 +9,10 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from xformer.budget import RULE, row_for
-from xformer.checkpoint import read_checkpoint
-from xformer.recipe_io import load_recipe
+from xformer.config.loading import load_recipe
 from xformer.train import run
+from xformer.training.budget import RULE, row_for
+from xformer.training.checkpoint import read_checkpoint
 from xformer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]

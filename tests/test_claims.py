@@ -11,8 +11,8 @@ import tomllib
 from typer.testing import CliRunner
 
 from tests.test_experiment import recall_spec
-from xformer.claims import Check, convergence, describe, half_width, judge, verdict
-from xformer.ledger import ledger_problems, read_spec
+from xformer.studies.claims import Check, convergence, describe, half_width, judge, verdict
+from xformer.studies.ledger import ledger_problems, read_spec
 from xformer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -132,7 +132,7 @@ def test_a_speed_timed_beside_other_work_judges_nothing():
 def test_a_head_role_count_is_judged_against_the_same_runs_at_initialisation():
     """"Heads specialise": each seed's trained count minus its own untrained count (the chance
     level), by the same t-interval as any check; the spec may not name another cell then."""
-    from xformer.claims import claim_from_table
+    from xformer.studies.claims import claim_from_table
 
     data = results({"base": BASE}, {})
     for run, trained, init in zip(data["runs"], [5, 6, 4], [0, 1, 0], strict=True):
@@ -245,7 +245,7 @@ def test_the_ledger_judges_each_claim_from_its_experiment(ledger):
     assert (blocked["number"], blocked["verdict"], blocked["blocked"]) == (1, "not measurable yet",
                                                                            "a missing model field")
     measured = json.loads((folder / "runs" / "depth" / "results.json").read_text())
-    from xformer.ledger import read_spec
+    from xformer.studies.ledger import read_spec
 
     _, experiment = read_spec(specs / "depth.toml")
     expected = judge(experiment.checks[0], measured)
@@ -271,7 +271,7 @@ def test_the_ledger_judges_each_claim_from_its_experiment(ledger):
 def test_the_ledger_gives_no_verdict_from_an_undertrained_baseline(ledger, tmp_path):
     """The same record with the baseline's curves still rising: the verdict measured is kept in
     the claim's section, the one given is "inconclusive: undertrained", with the numbers."""
-    from xformer.ledger import build_ledger
+    from xformer.studies.ledger import build_ledger
 
     folder, specs, out, report = ledger
     records = tmp_path / "claims"
@@ -304,7 +304,7 @@ def test_a_record_names_the_spec_and_recipe_it_was_measured_from(ledger, tmp_pat
     and recipe as they are now, and retrains it when either changed."""
     import hashlib
 
-    from xformer.ledger import record_is_current
+    from xformer.studies.ledger import record_is_current
 
     folder, specs, out, _ = ledger
     record = out.parent / "claims" / "depth.json"
@@ -321,7 +321,7 @@ def test_a_record_names_the_spec_and_recipe_it_was_measured_from(ledger, tmp_pat
     assert not record_is_current(copy / "depth.toml", record)
     assert not record_is_current(spec, tmp_path / "none.json")
     # the ledger does not judge a record of an earlier version of its spec, and says so
-    from xformer.ledger import build_ledger
+    from xformer.studies.ledger import build_ledger
 
     rebuilt = build_ledger(copy, tmp_path / "no-runs", tmp_path / "claims.md", out.parent / "claims")
     row = next(r for r in rebuilt.rows if r["name"] == "depth")
@@ -435,7 +435,7 @@ def test_the_ledger_regenerates_its_own_file_and_refuses_a_users(ledger, tmp_pat
 
 
 def test_a_precondition_is_checked_against_the_test_lengths_and_the_device():
-    from xformer.claims import Precondition, testable
+    from xformer.studies.claims import Precondition, testable
 
     data = results({"base": BASE, "x": [11.0, 12.1, 12.9]}, {"x": [0.01] * 3})
     rank = Precondition(what="rank below the sources", cell="x", key="model.rank", below="median_source")
@@ -453,7 +453,7 @@ def test_a_precondition_is_checked_against_the_test_lengths_and_the_device():
 
 
 def test_replication_is_our_interval_on_the_published_side():
-    from xformer.claims import Claim, replication
+    from xformer.studies.claims import Claim, replication
 
     published_loss = Claim(anchor="a paper", anchor_cell="x", anchor_percent=-2.4)
     down = results({"base": BASE, "x": [9.0, 9.8, 11.2]}, {"x": [0.01] * 3})  # -1.0, -1.2, -0.8
@@ -488,7 +488,7 @@ def test_a_spec_names_its_anchor_and_well_formed_preconditions(tmp_path, change,
 def test_the_ledger_says_not_testable_here_when_a_precondition_fails(ledger, tmp_path):
     """The toy's inputs are 32 tokens: a precondition asking for 1,000 fails, so the measured
     verdict is kept in the section and the claim reads "not testable here", with the reason."""
-    from xformer.ledger import build_ledger
+    from xformer.studies.ledger import build_ledger
 
     folder, specs, out, report = ledger
     mine = tmp_path / "specs"
@@ -507,7 +507,7 @@ def test_the_ledger_says_not_testable_here_when_a_precondition_fails(ledger, tmp
 def test_runs_made_differently_are_refused_or_flagged():
     """A chain may cross machines: another precision or device refuses a verdict, another CPU
     does for a timing only, and is flagged otherwise, as is another code version."""
-    from xformer.ledger import disagreements
+    from xformer.studies.ledger import disagreements
 
     data = results({"base": BASE, "x": [11.0, 12.1, 12.9]}, {"x": [0.01] * 3})
     for run in data["runs"]:

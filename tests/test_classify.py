@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from xformer.config import ModelConfig
+from xformer.config.loading import recipe_from_dict
+from xformer.config.schema import ModelConfig
 from xformer.data.classify import (
     ClassBatches,
     StagedBatches,
@@ -17,10 +18,9 @@ from xformer.data.classify import (
     generated_splits,
 )
 from xformer.errors import DataError, RecipeError
-from xformer.instrument import PeakMemory
 from xformer.model.build import build_model, count_parameters
-from xformer.recipe_io import recipe_from_dict
 from xformer.tasks import build_for_recipe
+from xformer.training.measure import PeakMemory
 
 BASE = {"train": {"max_steps": 5}}
 

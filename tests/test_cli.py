@@ -245,7 +245,7 @@ def test_choice_options_list_the_core_words_and_refuse_others(command, option, w
 def test_the_enums_are_the_core_choices():
     import typing
 
-    from xformer import config
+    from xformer.config import schema as config
     from xformer.heads.analyse import ABLATIONS, IMPORTANCE_METRICS, PRUNE_ORDERS
     from xformer_cli import common
 

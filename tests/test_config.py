@@ -2,9 +2,9 @@ from pathlib import Path
 
 import pytest
 
-from xformer.config import ModelConfig, Recipe
+from xformer.config.loading import load_recipe, parse_override, recipe_from_dict
+from xformer.config.schema import ModelConfig, Recipe
 from xformer.errors import RecipeError
-from xformer.recipe_io import load_recipe, parse_override, recipe_from_dict
 
 VALID = {"train": {"max_steps": 10}}
 
@@ -173,7 +173,7 @@ def test_changes_round_trip_and_give_the_recipe_as_it_stood_at_each_step():
     after a step, one after another, and a saved recipe reloads equal."""
     import tomllib
 
-    from xformer.recipe_io import recipe_at
+    from xformer.config.loading import recipe_at
 
     raw = {"train": {"max_steps": 30, "lr": 1e-4, "clip_norm": 1.0},
            "changes": [{"step": 10, "set": {"train.lr": 5e-4, "train.max_steps": 20}, "was": {"train.lr": 1e-3,

@@ -10,9 +10,9 @@ import pytest
 import torch
 
 from tests.test_train import tiny_recipe
-from xformer import cpuload
-from xformer.cpuload import OtherLoad, busy
 from xformer.train import run
+from xformer.training import cpuload
+from xformer.training.cpuload import OtherLoad, busy
 
 pytestmark = pytest.mark.skipif(not cpuload.PROC_STAT.is_file(), reason="/proc/stat is Linux's")
 

@@ -5,8 +5,8 @@ import pytest
 import torch
 from torch import nn
 
-from xformer.config import ModelConfig
-from xformer.decode import DecodeStats, beam_search, greedy_decode, sequence_logprob
+from xformer.config.schema import ModelConfig
+from xformer.generation.decode import DecodeStats, beam_search, greedy_decode, sequence_logprob
 from xformer.model.build import build_model
 
 D, V = 32, 13

@@ -10,16 +10,16 @@ import torch
 from typer.testing import CliRunner
 
 from tests.test_train import TINY, tiny_recipe
+from xformer.config.loading import load_run_recipe
 from xformer.data.corpus import load_split
 from xformer.errors import RecipeError
 from xformer.evaluate import translate_lines
-from xformer.losses import distillation_kl
-from xformer.recipe_io import load_run_recipe
-from xformer.rundir import tokenizer_digest
-from xformer.runtime import resolve_runtime
 from xformer.tasks import make_task
 from xformer.tasks.translation import translation_loss
 from xformer.train import run
+from xformer.training.device import resolve_runtime
+from xformer.training.losses import distillation_kl
+from xformer.training.run_folder import tokenizer_digest
 from xformer_cli.main import app
 
 runner = CliRunner()

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.processes import launch, run_once, train_command
-from xformer.checkpoint import read_checkpoint
+from xformer.training.checkpoint import read_checkpoint
 
 # no dropout: each process draws its own masks, so only dropout-free runs can agree tensor for tensor
 TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",

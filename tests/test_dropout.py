@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from xformer.config import ModelConfig
+from xformer.config.schema import ModelConfig
 from xformer.model.build import build_model
 from xformer.model.dropout import Dropout, dropout, keep_mask, use_fast_dropout
 

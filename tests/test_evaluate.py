@@ -11,10 +11,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.test_train import RECIPE, TINY, tiny_recipe
-from xformer import cpuload
 from xformer.data.corpus import load_split
 from xformer.data.tokenizer import train_tokenizer
 from xformer.train import run
+from xformer.training import cpuload
 from xformer_cli.main import app
 
 runner = CliRunner()
@@ -138,7 +138,7 @@ def test_int8_scores_in_files_of_its_own_and_stays_close_to_fp32(trained):
     .int8 in their names, and RUN/eval.json keeps the model as trained."""
     import torch
 
-    from xformer.recipe_io import load_run_recipe
+    from xformer.config.loading import load_run_recipe
     from xformer.tasks import make_task
 
     plain = runner.invoke(app, ["eval", str(trained), "--split", "test", "--beam", "1", "--json"])

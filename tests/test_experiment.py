@@ -12,9 +12,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.test_train import RECIPE, TINY
-from xformer.experiment_report import markdown
 from xformer.results import ExperimentResult
 from xformer.significance import paired_bleu
+from xformer.studies.experiment_report import markdown
 from xformer_cli.main import app
 
 runner = CliRunner()
@@ -281,8 +281,8 @@ def test_a_run_that_diverges_is_an_outcome_scored_as_empty_output_and_kept(tmp_p
     again = runner.invoke(app, ["experiment", str(spec), "--out", str(out), "--device", "cpu", "--json"])
     assert again.exit_code == 0, again.output
     assert last.stat().st_mtime_ns == before  # kept, not trained again
-    from xformer.experiment import load_experiment
-    from xformer.ledger import record_from_run
+    from xformer.studies.experiment import load_experiment
+    from xformer.studies.ledger import record_from_run
 
     record = record_from_run(out, spec, load_experiment(spec))  # what `xformer claims` keeps of it
     assert record["train_minutes"] >= 0 and record["results"]["runs"][2]["diverged_at"] == wild["diverged_at"]
@@ -291,7 +291,7 @@ def test_a_run_that_diverges_is_an_outcome_scored_as_empty_output_and_kept(tmp_p
 def test_set_experiment_values_change_the_spec_and_the_rest_every_recipe(tmp_path):
     """--set experiment.max_steps=... runs a spec at another budget (a GPU's, say) without
     editing it; recipe values still go to every cell; the cells stay the spec's."""
-    from xformer.experiment import load_experiment
+    from xformer.studies.experiment import load_experiment
 
     spec = tmp_path / "depth.toml"
     spec.write_text(recall_spec([1, 2]))
@@ -389,9 +389,9 @@ def test_a_curve_trains_one_stable_run_per_seed_and_branches_each_smaller_budget
     convergence rule reads."""
     import torch
 
-    from xformer.checkpoint import read_checkpoint
-    from xformer.experiment import load_experiment
+    from xformer.studies.experiment import load_experiment
     from xformer.train import run
+    from xformer.training.checkpoint import read_checkpoint
 
     spec = tmp_path / "curve.toml"
     spec.write_text(recall_spec([1, 2, 3]).replace("max_steps = 4", "budgets = [4, 8]"))
@@ -456,7 +456,7 @@ def test_jobs_2_makes_the_runs_jobs_1_makes(tmp_path, monkeypatch):
     results are the same cell for cell. A curve's cooldowns go with their stable run."""
     import torch
 
-    from xformer.checkpoint import read_checkpoint
+    from xformer.training.checkpoint import read_checkpoint
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)  # --jobs 2: one thread each
     spec = tmp_path / "curve.toml"
@@ -490,7 +490,7 @@ def test_runs_are_scored_at_longer_lengths_and_learned_positions_cannot_go_past_
     positions with a 48-position table score at 40 (on positions never trained) and "cannot
     extrapolate" to 64, which is a result (scored 0, the reason kept), not an error. A check
     compares a cell with itself at another length."""
-    from xformer.claims import Check, judge
+    from xformer.studies.claims import Check, judge
 
     spec = tmp_path / "lengths.toml"
     cells = 'one = ["model.positional=learned", "model.max_positions=48"]\ntwo = ["model.positional=sinusoidal"]'

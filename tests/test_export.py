@@ -12,8 +12,8 @@ from typer.testing import CliRunner
 
 from tests.extras import need
 from tests.test_train import tiny_recipe
-from xformer.decode import greedy_decode
-from xformer.recipe_io import load_run_recipe
+from xformer.config.loading import load_run_recipe
+from xformer.generation.decode import greedy_decode
 from xformer.tasks import make_task
 from xformer.train import run
 from xformer_cli.main import app
@@ -65,7 +65,7 @@ def test_a_model_marian_cannot_express_is_refused_by_field(trained, tmp_path):
     (trained.parent / "rope").mkdir()
     import shutil
 
-    from xformer.recipe_io import recipe_from_dict
+    from xformer.config.loading import recipe_from_dict
 
     other = trained.parent / "rope"
     shutil.copytree(trained, other, dirs_exist_ok=True)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from xformer.recipe_io import load_recipe
+from xformer.config.loading import load_recipe
 from xformer.train import run
 from xformer_cli.main import app
 

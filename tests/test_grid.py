@@ -6,9 +6,9 @@ from pathlib import Path
 
 import pytest
 
+from xformer.config.loading import load_recipe
 from xformer.errors import RunError
-from xformer.grid import pin, train_to_end
-from xformer.recipe_io import load_recipe
+from xformer.studies.grid import pin, train_to_end
 
 RECALL = Path(__file__).resolve().parents[1] / "recipes" / "longrange" / "recall_transformer.toml"
 TINY = ["data.n_train=64", "data.n_valid=16", "data.n_test=16", "data.max_len=32", "data.curriculum_lengths=[]",

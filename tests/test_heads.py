@@ -12,16 +12,16 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from xformer.config import ModelConfig
+from xformer.config.loading import load_recipe
+from xformer.config.schema import ModelConfig
+from xformer.config.sites import heads_by_site
 from xformer.data.classify import Examples, TextEncoder
 from xformer.heads import importance as imp
 from xformer.heads import stats
 from xformer.heads.stats import clusters, collect
 from xformer.model.build import attention_modules, build_model
-from xformer.recipe_io import load_recipe
-from xformer.runtime import resolve_runtime
-from xformer.sites import heads_by_site
 from xformer.tasks.classification import ClassificationSubject
+from xformer.training.device import resolve_runtime
 from xformer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -354,10 +354,10 @@ def test_role_counts_are_what_inspect_heads_finds_trained_and_at_initialisation(
 
     import torch
 
-    from xformer.checkpoint import save_checkpoint
+    from xformer.config.loading import load_run_recipe
     from xformer.heads.roles import ROLES, role_counts
-    from xformer.recipe_io import load_run_recipe
     from xformer.tasks import make_task
+    from xformer.training.checkpoint import save_checkpoint
 
     def counted(run, out):
         result = invoke("inspect-heads", run, "--out", out, "--n-examples", 20, "--checkpoint", "last")

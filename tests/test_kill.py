@@ -16,8 +16,8 @@ import torch
 
 from tests.processes import RECIPE, launch, train_command
 from tests.test_experiment import SPEC
-from xformer.checkpoint import read_checkpoint
-from xformer.runlog import truncate_metrics
+from xformer.training.checkpoint import read_checkpoint
+from xformer.training.progress import truncate_metrics
 
 TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
         "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=512", "train.warmup_steps=10",
@@ -100,7 +100,7 @@ def test_sigkill_at_any_moment_then_resume_ends_as_the_uninterrupted_run(corpus,
 def test_a_kill_between_the_last_checkpoint_and_the_summary_is_finished_by_resume(corpus, tmp_path):
     """Killed after its final checkpoint, before the averaged model and train.json: --resume
     writes those (rather than refusing a run that has reached max_steps)."""
-    from xformer.recipe_io import load_recipe
+    from xformer.config.loading import load_recipe
     from xformer.train import run
 
     recipe = load_recipe(RECIPE, [*TINY, f"data.dataset={json.dumps(str(corpus))}", "train.max_steps=20"])
@@ -143,7 +143,7 @@ def test_sigterm_checkpoints_at_a_step_boundary_and_exits_0(corpus, tmp_path):
 def test_a_second_signal_goes_to_the_handler_before_the_run(tmp_path):
     """The first SIGTERM is noted for the step boundary; the second reaches the handler that
     was there before training (by default: the process ends at once)."""
-    from xformer.runlog import StopSignals
+    from xformer.training.progress import StopSignals
 
     before = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: before.append(signum))
@@ -187,8 +187,8 @@ def test_out_of_memory_says_what_to_set_and_leaves_the_last_checkpoint(corpus, t
     """An allocation that fails mid-run (raised here where CUDA would raise it, this machine
     having no GPU): one line naming data.max_tokens and the values to try; the last
     checkpoint is byte for byte the one written before."""
+    from xformer.config.loading import load_recipe
     from xformer.errors import RunError
-    from xformer.recipe_io import load_recipe
     from xformer.tasks.translation import TranslationTask
     from xformer.train import run
 

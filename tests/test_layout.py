@@ -8,23 +8,23 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Layers, lowest first: a module may import modules of its own layer or of a lower one.
+# Layers, lowest first: a module may import modules of its own layer or of a lower one. The
+# folders are the floors; the top level holds only the shared leaves and one module per command.
 LAYERS = [
-    ["xformer.errors", "xformer.strict", "xformer.sites", "xformer.metrics", "xformer.events", "xformer.files",
-     "xformer.results", "xformer.cpuload", "xformer.allocator", "xformer.locks"],
+    ["xformer.errors", "xformer.files", "xformer.locks", "xformer.events", "xformer.metrics", "xformer.results",
+     "xformer.allocator", "xformer.significance"],
     ["xformer.config"],
-    ["xformer.model", "xformer.data", "xformer.checkpoint", "xformer.runtime", "xformer.optim", "xformer.losses",
-     "xformer.runlog", "xformer.distributed",
-     "xformer.rundir", "xformer.decode", "xformer.instrument", "xformer.quantize",
-     "xformer.engines", "xformer.runcard", "xformer.compiling", "xformer.significance", "xformer.claims",
-     "xformer.experiment_report"],
+    ["xformer.model", "xformer.data"],
+    ["xformer.training"],
+    ["xformer.generation"],
     ["xformer.tasks"],
-    ["xformer.recipe_io", "xformer.resume", "xformer.heads", "xformer.train", "xformer.evaluate", "xformer.longrange",
-     "xformer.tokenizing", "xformer.check", "xformer.bench", "xformer.peers", "xformer.export",
-     "xformer.experiment", "xformer.experiment_scoring", "xformer.reuse", "xformer.ledger", "xformer.grid",
-     "xformer.budget", "xformer.quality"],
+    ["xformer.heads"],
+    ["xformer.train", "xformer.evaluate", "xformer.tokenizing", "xformer.check", "xformer.export"],
+    ["xformer.studies", "xformer.bench"],
     ["xformer"],  # the package's __init__: the library's front door
 ]
+# what may sit at the top of the package: the leaves and the command modules of LAYERS, nothing else
+TOP_LEVEL = {name.removeprefix("xformer.") for floor in (LAYERS[0], LAYERS[7]) for name in floor}
 
 
 def modules(package: str, folder: Path) -> dict[str, Path]:
@@ -77,15 +77,23 @@ def test_imports_point_down_only_and_sit_at_the_top_of_each_file():
     assert not problems, "\n".join(problems)
 
 
+def test_the_top_level_holds_only_the_leaves_and_the_commands():
+    flat = {path.stem for path in (ROOT / "xformer").glob("*.py")} - {"__init__"}
+    folders = {path.name for path in (ROOT / "xformer").iterdir() if (path / "__init__.py").exists()}
+    assert flat == TOP_LEVEL, f"top-level modules not in TOP_LEVEL: {sorted(flat - TOP_LEVEL)}"
+    layered = {prefix.removeprefix("xformer.") for floor in LAYERS for prefix in floor}
+    assert folders <= layered, f"packages in no layer: {sorted(folders - layered)}"
+
+
 def test_the_model_and_the_config_never_import_data_or_tasks():
     for module, path in CORE.items():
-        if module == "xformer.config" or module.startswith("xformer.model"):
+        if module.startswith(("xformer.config", "xformer.model")):
             top, _ = imports(path)
             bad = [t for t in top if t.startswith(("xformer.data", "xformer.tasks"))]
             assert not bad, f"{module} imports {bad}"
         if module.startswith("xformer.data"):
             top, _ = imports(path)
-            bad = [t for t in top if t.startswith(("xformer.model", "xformer.tasks", "xformer.checkpoint"))]
+            bad = [t for t in top if t.startswith(("xformer.model", "xformer.tasks", "xformer.training.checkpoint"))]
             assert not bad, f"{module} imports {bad}"
 
 

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.processes import launch, run_once, train_command
-from xformer.checkpoint import read_checkpoint_meta
 from xformer.errors import RunError
 from xformer.locks import LOCK, FolderLock, holder
+from xformer.training.checkpoint import read_checkpoint_meta
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="flock is POSIX's")
 

@@ -10,12 +10,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from xformer.checkpoint import read_checkpoint
+from xformer.config.loading import load_recipe
 from xformer.errors import RunError
-from xformer.grid import GridStopped
-from xformer.longrange import load_sweep, throughput_at_length
-from xformer.recipe_io import load_recipe
+from xformer.studies.grid import GridStopped
+from xformer.studies.longrange import load_sweep, throughput_at_length
 from xformer.train import run
+from xformer.training.checkpoint import read_checkpoint
 from xformer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -242,7 +242,7 @@ def test_an_interrupted_sweep_resumes_the_cut_run_and_rescores_a_trained_one(tmp
     import os
     import signal
 
-    from xformer.longrange import load_sweep, run_sweep
+    from xformer.studies.longrange import load_sweep, run_sweep
 
     sweep = load_sweep(write_sweep(tmp_path, [24], [1], 9))
     out = tmp_path / "out"
@@ -275,7 +275,7 @@ def test_a_stop_on_a_runs_last_step_stops_the_sweep_before_the_next_run(tmp_path
     import os
     import signal
 
-    from xformer.longrange import load_sweep, run_sweep
+    from xformer.studies.longrange import load_sweep, run_sweep
 
     sweep = load_sweep(write_sweep(tmp_path, [24], [1], 6))
     out, starts = tmp_path / "out", []
@@ -325,7 +325,7 @@ def test_a_sweep_length_the_task_cannot_have_is_refused_before_training(tmp_path
 
 def test_a_sweep_pinned_before_a_field_existed_still_resumes(tmp_path):
     """sweep.json of an older version lacks fields added since (at their defaults): the same sweep."""
-    from xformer.longrange import _pin_sweep
+    from xformer.studies.longrange import _pin_sweep
 
     sweep = load_sweep(write_sweep(tmp_path, [24], [1], 3))
     out = tmp_path / "out"
@@ -369,7 +369,7 @@ def test_a_sweep_trains_each_named_variant_of_the_transformer(tmp_path):
 
 
 def test_a_sweep_may_set_every_run_s_batch_and_validation_interval(tmp_path):
-    from xformer.longrange import row_recipe
+    from xformer.studies.longrange import row_recipe
 
     sweep = write_sweep(tmp_path, [24], [1], 3)
     sweep.write_text(sweep.read_text() + "max_tokens = 512\nvalid_every = 7\n")

@@ -1,7 +1,7 @@
 import pytest
 import torch
 
-from xformer.config import ModelConfig
+from xformer.config.schema import ModelConfig
 from xformer.model.build import build_model, count_parameters
 from xformer.model.lstm import LSTMClassifier, lstm_parameters, match_hidden
 

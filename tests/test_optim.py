@@ -5,9 +5,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from xformer.config import TrainConfig
-from xformer.losses import rdrop_kl, sequence_loss
-from xformer.optim import build_optimizer, learning_rate
+from xformer.config.schema import TrainConfig
+from xformer.training.losses import rdrop_kl, sequence_loss
+from xformer.training.optim import build_optimizer, learning_rate
 
 
 @pytest.mark.parametrize("eps", [0.0, 0.1])
@@ -72,10 +72,10 @@ def test_rdrop_kl_is_the_mean_of_both_kl_directions():
 
 @pytest.mark.parametrize("index_rows", [True, False])  # the CPU path (real rows) and the CUDA path (pad masked)
 def test_rdrop_without_dropout_is_the_plain_loss_and_with_dropout_adds_a_positive_term(index_rows):
-    from xformer.config import ModelConfig
+    from xformer.config.schema import ModelConfig
     from xformer.model.build import build_model
-    from xformer.runtime import resolve_runtime
     from xformer.tasks.translation import translation_loss
+    from xformer.training.device import resolve_runtime
 
     rt = resolve_runtime("cpu", "fp32")
     torch.manual_seed(0)
@@ -98,10 +98,10 @@ def test_rdrop_without_dropout_is_the_plain_loss_and_with_dropout_adds_a_positiv
 
 
 def test_rdrop_for_a_classifier_is_the_plain_loss_without_dropout_and_adds_kl_with_it():
-    from xformer.config import ModelConfig, Recipe
+    from xformer.config.schema import ModelConfig, Recipe
     from xformer.model.build import build_model
-    from xformer.runtime import resolve_runtime
     from xformer.tasks.classification import ClassificationTask
+    from xformer.training.device import resolve_runtime
 
     rt = resolve_runtime("cpu", "fp32")
     torch.manual_seed(0)
@@ -177,7 +177,7 @@ def naive_wsd(step: int, lr: float, warmup: int, start: int, end: int, floor: fl
 
 @pytest.mark.parametrize("shape", ["1-sqrt", "linear"])
 def test_wsd_holds_the_rate_then_cools_down_over_the_last_share_of_a_step_budget(shape):
-    from xformer.optim import wsd_window
+    from xformer.training.optim import wsd_window
 
     cfg = TrainConfig(lr=1e-3, warmup_steps=100, schedule="wsd", max_steps=1000, decay_fraction=0.2,
                       min_lr=1e-5, decay_shape=shape)
@@ -202,10 +202,10 @@ def test_wsd_rules():
 
 
 def test_patience_ends_a_wsd_runs_stable_phase_and_never_cuts_its_cooldown_short():
-    from xformer.distributed import Cluster
-    from xformer.optim import WsdPlan
-    from xformer.runlog import Progress
     from xformer.train import _stop_reason
+    from xformer.training.distributed import Cluster
+    from xformer.training.optim import WsdPlan
+    from xformer.training.progress import Progress
 
     cfg = TrainConfig(schedule="wsd", max_steps=1000, patience=2, decay_fraction=0.2, warmup_steps=10)
     progress = Progress(step=100, bad_validations=2)

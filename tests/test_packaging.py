@@ -2,7 +2,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from xformer.recipe_io import tomllib
+from xformer.config.loading import tomllib
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -9,9 +9,9 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.extras import need
+from xformer.bench.quality import PEER, _wsd_plan, marian_model, score_marian, train_marian
+from xformer.config.loading import load_recipe
 from xformer.model import build_model
-from xformer.quality import PEER, _wsd_plan, marian_model, score_marian, train_marian
-from xformer.recipe_io import load_recipe
 from xformer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]

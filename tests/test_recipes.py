@@ -5,10 +5,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from xformer.longrange import MODELS, load_sweep, row_recipe
+from xformer.config.loading import load_recipe
 from xformer.model.attention import MultiHeadAttention
 from xformer.model.build import count_parameters
-from xformer.recipe_io import load_recipe
+from xformer.studies.longrange import MODELS, load_sweep, row_recipe
 from xformer.tasks import build_for_recipe
 
 FILES = sorted((Path(__file__).resolve().parents[1] / "recipes").rglob("*.toml"))
@@ -31,7 +31,7 @@ def test_there_are_recipes_and_sweeps():
 def test_experiment_loads_and_every_cell_builds(path):
     """Every cell's recipe validates (load_experiment checks them) and builds on the meta
     device at its own size; the spec opens with the claim it measures and its command."""
-    from xformer.experiment import load_experiment
+    from xformer.studies.experiment import load_experiment
 
     experiment = load_experiment(path)
     assert path.read_text().startswith("# Claim:") and "xformer experiment " in path.read_text()
@@ -45,7 +45,7 @@ def test_experiment_loads_and_every_cell_builds(path):
 def test_every_claim_spec_states_its_claim(path):
     """Every spec in recipes/claims/ reads as the ledger reads it: a claim with checks against
     its experiment's cells, or blocked with what xformer lacks."""
-    from xformer.ledger import read_spec
+    from xformer.studies.ledger import read_spec
 
     claim, experiment = read_spec(path)
     assert claim.number > 0 and claim.says
@@ -89,7 +89,7 @@ def test_sweep_loads_and_its_lstm_matches_the_transformer(path):
     recipes = {m: row_recipe(sweep, m, length, sweep.config.seeds[0]) for m in MODELS}
     assert recipes["transformer"].data.max_len == length <= recipes["transformer"].model.max_positions - 1
     if sweep.config.match_parameters:
-        from xformer.longrange import parameters
+        from xformer.studies.longrange import parameters
 
         t, lstm = parameters(recipes["transformer"]), parameters(recipes["lstm"])
         assert abs(lstm - t) / t < 0.10

@@ -8,8 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.test_train import RECIPE, TINY
-from xformer.checkpoint import read_checkpoint
-from xformer.recipe_io import load_recipe
+from xformer.config.loading import load_recipe
+from xformer.training.checkpoint import read_checkpoint
 from xformer_cli.main import app
 
 runner = CliRunner()

@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from xformer.errors import XformerError
-from xformer.runtime import resolve_runtime
+from xformer.training.device import resolve_runtime
 
 
 def test_the_cpu_never_gets_a_gradient_scaler(cpu):
@@ -48,7 +48,7 @@ def test_cuda_auto_precision_is_mixed():
 @pytest.fixture
 def cpu(monkeypatch):
     """Pretend CPUs: which bf16 flags the hardware reports and what the matmul probe measures."""
-    from xformer import runtime
+    from xformer.training import device as runtime
 
     def pretend(flags, ratio=None):
         runtime._cpu_bf16_cached.cache_clear()
@@ -83,7 +83,7 @@ def test_asking_for_bf16_where_it_is_emulated_warns_with_the_measured_slowdown(c
 
 
 def test_the_probe_measures_a_real_matmul():
-    from xformer.runtime import bf16_matmul_ratio, cpu_bf16
+    from xformer.training.device import bf16_matmul_ratio, cpu_bf16
 
     ratio = bf16_matmul_ratio(n=64, repeats=2)
     assert ratio > 0
@@ -94,8 +94,8 @@ def test_the_probe_measures_a_real_matmul():
 @pytest.mark.parametrize("fast_paths", [True, False])  # the fused Adam (no host sync) and the per-tensor one
 @pytest.mark.parametrize("clip_norm", [0.0, 1.0])
 def test_a_step_with_a_nonfinite_gradient_is_skipped_and_leaves_the_optimizer_as_it_was(fast_paths, clip_norm):
-    from xformer.config import TrainConfig
-    from xformer.optim import build_optimizer
+    from xformer.config.schema import TrainConfig
+    from xformer.training.optim import build_optimizer
 
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))

@@ -150,7 +150,7 @@ def two_classifiers(tmp_path_factory):
     """Two tiny recall runs on one generated test set: one trained 12 steps, one 2."""
     from pathlib import Path
 
-    from xformer.recipe_io import load_recipe
+    from xformer.config.loading import load_recipe
 
     recipe = Path(__file__).resolve().parents[1] / "recipes" / "longrange" / "recall_transformer.toml"
     tiny = ["data.n_train=64", "data.n_valid=32", "data.n_test=48", "data.max_len=32", "data.curriculum_lengths=[]",
@@ -175,7 +175,7 @@ def test_eval_baseline_pairs_classification_runs_by_mcnemar_on_their_own_predict
     p = report["paired"]
     assert (p["accuracy"], p["baseline_accuracy"]) == (report["accuracy"], alone["accuracy"])
     # McNemar's counts from the two prediction files and the generated test set's labels
-    from xformer.recipe_io import load_run_recipe
+    from xformer.config.loading import load_run_recipe
     from xformer.tasks import make_task
 
     gold = [label for _, label in make_task(load_run_recipe(system)).scored_set(None, None)]

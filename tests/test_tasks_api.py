@@ -15,10 +15,10 @@ import pytest
 from typer.testing import CliRunner
 
 from xformer import tasks
-from xformer.config import DataConfig
+from xformer.config.loading import recipe_from_dict
+from xformer.config.schema import DataConfig
 from xformer.data.classify import Examples, TextEncoder
 from xformer.errors import RecipeError
-from xformer.recipe_io import recipe_from_dict
 from xformer.tasks.classification import ClassificationTask
 from xformer_cli.main import app
 

@@ -10,14 +10,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from xformer.checkpoint import read_checkpoint, read_checkpoint_meta
+from xformer.config.loading import load_recipe
 from xformer.errors import RunError
 from xformer.evaluate import evaluate_run
-from xformer.optim import learning_rate
-from xformer.recipe_io import load_recipe
 from xformer.results import TranslationEval
-from xformer.runtime import resolve_runtime
 from xformer.train import run
+from xformer.training.checkpoint import read_checkpoint, read_checkpoint_meta
+from xformer.training.device import resolve_runtime
+from xformer.training.optim import learning_rate
 from xformer_cli.main import app
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -135,12 +135,12 @@ def _train_losses(out: Path) -> list[float]:
 def test_a_compiler_that_fails_leaves_the_run_training_eagerly(corpus, tmp_path, monkeypatch):
     """train.compile with a compiler that raises: a warning names it, and the run trains the
     same tensors as a run without train.compile (the trial on the first batch left no trace)."""
-    import xformer.compiling
+    import xformer.training.compiling
 
     def broken(graph, example_inputs):
         raise RuntimeError("no C++ compiler here")
 
-    monkeypatch.setattr(xformer.compiling, "BACKEND", broken)
+    monkeypatch.setattr(xformer.training.compiling, "BACKEND", broken)
     events = []
     extra = ["train.max_steps=6", "model.dropout=0.3"]
     run(tiny_recipe(corpus, *extra, "train.compile=true"), tmp_path / "c", device="cpu",
@@ -170,7 +170,7 @@ def test_a_compiled_run_trains_what_an_eager_run_trains(corpus, tmp_path):
 def _plant(checkpoint: Path, value: float, prefix: str = "model.") -> str:
     """Fill the first 2-D tensor named `prefix`... of a checkpoint with `value` (its digest
     rewritten, so it reads as sound); returns the tensor's name."""
-    from xformer.checkpoint import write_tensors
+    from xformer.training.checkpoint import write_tensors
 
     tensors, meta = read_checkpoint(checkpoint)
     name = next(k for k in tensors if k.startswith(prefix) and tensors[k].dim() == 2)
@@ -655,9 +655,9 @@ def test_a_train_limit_trains_exactly_as_a_corpus_cut_to_that_many_rows(corpus, 
 
 
 def test_averaging_is_the_elementwise_mean_and_keeps_ties(tmp_path):
-    from xformer.checkpoint import average_checkpoints, load_model_weights, save_checkpoint
-    from xformer.config import ModelConfig
+    from xformer.config.schema import ModelConfig
     from xformer.model.build import build_model
+    from xformer.training.checkpoint import average_checkpoints, load_model_weights, save_checkpoint
 
     cfg = ModelConfig(d_model=16, n_heads=2, d_ff=32, n_encoder_layers=1, n_decoder_layers=1, tie_embeddings="all")
     a, b = build_model(cfg, 30), build_model(cfg, 30)
@@ -710,8 +710,8 @@ def test_a_batch_budget_the_longest_pair_does_not_fit_is_refused_naming_it(corpu
 def test_a_non_finite_validation_is_never_the_best_and_is_written_as_valid_json(corpus, tmp_path):
     """Validation of a model gone NaN: recorded with null and what it was, never saved as best,
     neither as the first validation nor after a finite one."""
-    from xformer.runlog import Progress
     from xformer.train import _validate_and_save
+    from xformer.training.progress import Progress
 
     recipe = tiny_recipe(corpus, "train.average_last=0", "train.max_steps=3")
     nan = float("nan")

@@ -13,8 +13,8 @@ import torch
 from torch import nn
 
 from tests.reference import naive_classifier, naive_norm, naive_seq2seq, naive_sinusoid
-from xformer import config
-from xformer.config import ModelConfig
+from xformer.config import schema as config
+from xformer.config.schema import ModelConfig
 from xformer.model.build import build_model, count_parameters
 from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.feedforward import FFNS
@@ -476,7 +476,7 @@ def test_shared_qkv_is_separate_projections_holding_one_matrix(arch):
 
 
 def test_shared_qkv_stays_one_matrix_through_training_and_a_checkpoint(tmp_path):
-    from xformer.checkpoint import load_model_weights, read_checkpoint, save_checkpoint
+    from xformer.training.checkpoint import load_model_weights, read_checkpoint, save_checkpoint
 
     model = build_model(tiny(qkv="shared", dropout=0.1), V, pad_id=PAD)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)

@@ -10,8 +10,10 @@ import pytest
 import torch
 from reference import naive_alibi_slopes, naive_allowed, naive_biased_attention, naive_t5_bucket
 
-from xformer import config
-from xformer.config import ModelConfig
+from xformer.config import schema as config
+from xformer.config.loading import recipe_from_dict
+from xformer.config.schema import ModelConfig
+from xformer.config.strict import section_to_dict
 from xformer.errors import RecipeError
 from xformer.model.attention import explicit_attention, sdpa_attention
 from xformer.model.build import build_model, init_fairseq_
@@ -19,8 +21,6 @@ from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.feedforward import FFNS
 from xformer.model.patterns import PATTERNS, make_pattern, self_attention_mask
 from xformer.model.positional import POSITIONAL, alibi_slopes, t5_bucket
-from xformer.recipe_io import recipe_from_dict
-from xformer.strict import section_to_dict
 
 V = 23
 PARAMS = {"window": 3, "global_tokens": 2, "stride": 3, "topk": 4, "rank": 4}

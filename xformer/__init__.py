@@ -4,10 +4,10 @@ The core library; the `xformer` command in `xformer_cli` is a thin shell over it
 package never imports typer or rich, so it can be used from any program or notebook.
 """
 
-from xformer.config import Recipe
+from xformer.config.loading import load_recipe
+from xformer.config.schema import Recipe
 from xformer.errors import RecipeError, XformerError
 from xformer.model import build_model, count_parameters
-from xformer.recipe_io import load_recipe
 from xformer.tasks import TASKS, build_for_recipe, make_task
 
 __version__ = "0.1.0"

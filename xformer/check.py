@@ -6,8 +6,8 @@ from pathlib import Path
 
 import torch
 
+from xformer.config.loading import load_recipe
 from xformer.model.build import count_parameters
-from xformer.recipe_io import load_recipe
 from xformer.results import CheckResult
 from xformer.tasks import build_for_recipe
 

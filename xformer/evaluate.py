@@ -14,12 +14,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from xformer.config import Recipe
+from xformer.config.loading import load_run_recipe, recipe_from_dict
+from xformer.config.schema import Recipe
 from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.files import atomic_write_text
 from xformer.locks import describe, holder
-from xformer.recipe_io import load_run_recipe, recipe_from_dict
 from xformer.results import ClassificationEval, TranslationEval
 from xformer.significance import mcnemar, paired_bleu, right_or_wrong
 from xformer.tasks import make_task

@@ -32,11 +32,11 @@ from pathlib import Path
 import sentencepiece
 import torch
 
-from xformer.engines import CT2_META, export_record, file_digests
+from xformer.config.loading import load_run_recipe
 from xformer.errors import RunError
-from xformer.recipe_io import load_run_recipe
-from xformer.rundir import tokenizer_dir
+from xformer.generation.ctranslate2_engine import CT2_META, export_record, file_digests
 from xformer.tasks import make_task
+from xformer.training.run_folder import tokenizer_dir
 
 FORMATS = ("hf", "ctranslate2")
 BOS, EOS, PAD, UNK = 2, 3, 0, 1

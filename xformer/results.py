@@ -41,11 +41,11 @@ class TranslationEval(Result):
     decode_seconds: float
     sentences_per_s: float
     hypotheses: str  # the file of hypotheses, one per line
-    others_cpu: float | None = None  # mean CPU cores other processes took while it decoded (xformer.cpuload)
+    others_cpu: float | None = None  # mean CPU cores other processes took while it decoded (xformer.training.cpuload)
     kv_cache_mb: float | None = None  # the most the decoder's key/value caches held at once (one batch), MB
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
     engine: str | None = None  # "ctranslate2" when an exported model decoded
-    card: dict | None = None  # what reproducing the score needs (xformer.runcard)
+    card: dict | None = None  # what reproducing the score needs (xformer.training.run_card)
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
     paired: dict | None = None  # with --baseline: the paired bootstrap against that run (xformer.significance)
 
@@ -66,9 +66,10 @@ class ClassificationEval(Result):
     confusion: list[list[int]] | None = None  # [true][predicted]; None above 20 classes
     eval_seconds: float | None = None  # the forward passes over the split, timed
     examples_per_s: float | None = None
-    others_cpu: float | None = None  # mean CPU cores other processes took while it classified (xformer.cpuload)
+    # mean CPU cores other processes took while it classified (xformer.training.cpuload)
+    others_cpu: float | None = None
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
-    card: dict | None = None  # what reproducing the score needs (xformer.runcard)
+    card: dict | None = None  # what reproducing the score needs (xformer.training.run_card)
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
     paired: dict | None = None  # with --baseline: McNemar's exact test against that run (xformer.significance)
 

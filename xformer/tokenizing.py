@@ -5,12 +5,12 @@ from __future__ import annotations
 import shutil
 from pathlib import Path
 
-from xformer.config import Recipe
+from xformer.config.schema import Recipe
 from xformer.data.tokenizer import UNK_ID, Side, Tokenizer
 from xformer.errors import RunError
 from xformer.results import TokenizeResult
-from xformer.rundir import check_out_dir, mark_run_dir, tokenizer_dir
 from xformer.tasks.translation import TranslationData, ensure_tokenizer
+from xformer.training.run_folder import check_out_dir, mark_run_dir, tokenizer_dir
 
 
 def tokenize_recipe(recipe: Recipe, run_dir: str | Path, *, overwrite: bool = False,

@@ -3,7 +3,7 @@
 A run directory holds everything needed to evaluate or resume:
 
     RUN/recipe.toml                  the resolved recipe (after --set and CLI overrides), with the
-                                     [[changes]] a --resume made (xformer.resume)
+                                     [[changes]] a --resume made (xformer.training.resume)
     RUN/tokenizer/                   sentencepiece model(s), trained here when absent
     RUN/metrics.jsonl                one JSON object per log line and per validation
     RUN/checkpoints/last.safetensors model + optimizer + RNG + progress: --resume starts here
@@ -31,34 +31,42 @@ from pathlib import Path
 
 import torch
 
-from xformer import cpuload
-from xformer.budget import fit_run
-from xformer.checkpoint import (
+from xformer.config.loading import load_run_recipe, recipe_at
+from xformer.config.schema import Recipe
+from xformer.errors import DivergedError, RunError
+from xformer.events import Event, ignore
+from xformer.files import atomic_write_text, finite_json
+from xformer.locks import FolderLock, check_free
+from xformer.model.dropout import use_fast_dropout
+from xformer.model.flex import unavailable as flex_unavailable
+from xformer.tasks import make_task
+from xformer.training import cpuload
+from xformer.training.budget import fit_run
+from xformer.training.checkpoint import (
     average_checkpoints,
     load_model_weights,
     load_optimizer_state,
     read_checkpoint_meta,
     save_checkpoint,
 )
-from xformer.compiling import compiled_forward
-from xformer.config import Recipe
-from xformer.cpuload import OtherLoad
-from xformer.distributed import Cluster, cluster_from_env
-from xformer.errors import DivergedError, RunError
-from xformer.events import Event, ignore
-from xformer.files import atomic_write_text, finite_json
-from xformer.instrument import PeakMemory, allocator_peak
-from xformer.locks import FolderLock, check_free
-from xformer.model.dropout import use_fast_dropout
-from xformer.model.flex import unavailable as flex_unavailable
-from xformer.optim import WsdPlan, build_optimizer, learning_rate
-from xformer.recipe_io import load_run_recipe, recipe_at
-from xformer.resume import branch, branch_name, has_checkpoint, prepare_run_dir, resume_point, resumed_recipe, set_aside
-from xformer.runcard import run_card
-from xformer.rundir import finished_at, remove_temporaries, tokenizer_digest
-from xformer.runlog import LogLine, Progress, StopSignals, append_jsonl, truncate_metrics
-from xformer.runtime import Runtime, resolve_runtime
-from xformer.tasks import make_task
+from xformer.training.compiling import compiled_forward
+from xformer.training.cpuload import OtherLoad
+from xformer.training.device import Runtime, resolve_runtime
+from xformer.training.distributed import Cluster, cluster_from_env
+from xformer.training.measure import PeakMemory, allocator_peak
+from xformer.training.optim import WsdPlan, build_optimizer, learning_rate
+from xformer.training.progress import LogLine, Progress, StopSignals, append_jsonl, truncate_metrics
+from xformer.training.resume import (
+    branch,
+    branch_name,
+    has_checkpoint,
+    prepare_run_dir,
+    resume_point,
+    resumed_recipe,
+    set_aside,
+)
+from xformer.training.run_card import run_card
+from xformer.training.run_folder import finished_at, remove_temporaries, tokenizer_digest
 
 clock = time.perf_counter  # the run's time budget is read from it (tests pass their own)
 PLANNED = {"schedule", "max_steps", "max_epochs", "max_time", "decay_fraction", "patience"}  # a change: plan anew
@@ -83,12 +91,13 @@ class TrainResult:
     peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth, 0 unless measured
     history: list[dict] = field(default_factory=list)
     skipped_steps: int = 0  # not finite, so not taken (Runtime.step)
-    card: dict = field(default_factory=dict)  # what reproducing the run needs (xformer.runcard)
+    card: dict = field(default_factory=dict)  # what reproducing the run needs (xformer.training.run_card)
     changes: list[dict] = field(default_factory=list)  # what --resume changed, and from which step
     stop_signal: str = ""  # the signal that interrupted it, e.g. "SIGTERM"
-    # mean CPU cores other processes took while it trained (xformer.cpuload); None: not measurable
+    # mean CPU cores other processes took while it trained (xformer.training.cpuload); None: not measurable
     others_cpu: float | None = None
-    regularisation: dict | None = None  # train.regularisation = "budget": what it chose and why (xformer.budget)
+    # train.regularisation = "budget": what it chose and why (xformer.training.budget)
+    regularisation: dict | None = None
 
     @property
     def loop_overhead(self) -> float:
@@ -110,7 +119,7 @@ def run(
     `branch_from` / `at_step`: out_dir starts as that run stood at that step (resume.branch),
     and trains on with this recipe's values, recorded as a change at that step.
 
-    Started by torchrun (WORLD_SIZE > 1), every process calls this; see xformer.distributed."""
+    Started by torchrun (WORLD_SIZE > 1), every process calls this; see xformer.training.distributed."""
     cluster = cluster_from_env(device, recipe.train.accumulate_steps)
     if branch_from is not None:  # a new run folder: `branch_from` at step `at_step`, then resumed
         if resume or overwrite or at_step is None:
@@ -291,7 +300,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         meta = {**stamp, "progress": asdict(progress), "stop_reason": stop_reason}
         tensors, extra_meta = rt.state()
         # Inside a run of non-finite steps, `previous` keeps the last checkpoint from before it:
-        # the one --resume goes back to if the NaN guard stops the run (xformer.resume)
+        # the one --resume goes back to if the NaN guard stops the run (xformer.training.resume)
         streak = float(line.skipped_run) > 0
         if branch:
             save_checkpoint(last.with_name(branch_name(progress.step)), model, meta={**meta, **extra_meta},

@@ -21,7 +21,8 @@ from typing import Literal
 
 import numpy as np
 
-from xformer.checkpoint import run_checkpoint, save_checkpoint
+from xformer.config.loading import load_run_recipe
+from xformer.config.sites import heads_by_site
 from xformer.errors import RunError
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
@@ -29,12 +30,11 @@ from xformer.heads import importance as imp
 from xformer.heads import stats
 from xformer.heads.report import write_artifacts
 from xformer.model.build import attention_modules, count_parameters
-from xformer.recipe_io import load_run_recipe
 from xformer.results import HeadsReport
-from xformer.rundir import mark_run_dir, tokenizer_digest
-from xformer.sites import heads_by_site
 from xformer.tasks import make_task
 from xformer.tasks.base import Subject, site_space
+from xformer.training.checkpoint import run_checkpoint, save_checkpoint
+from xformer.training.run_folder import mark_run_dir, tokenizer_digest
 
 SPACE_FRACTIONS = [0.0, 0.25, 0.5, 0.75, 1.0]
 ABLATIONS = ("zero", "mean", "rescale", "renorm")

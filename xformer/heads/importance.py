@@ -23,7 +23,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from xformer.sites import heads_by_site
+from xformer.config.sites import heads_by_site
 from xformer.tasks.base import Subject
 
 Head = tuple[str, int]  # (site, head index)

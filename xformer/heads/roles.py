@@ -17,9 +17,9 @@ from pathlib import Path
 
 import torch
 
+from xformer.config.loading import load_run_recipe
 from xformer.heads import stats
 from xformer.model.build import attention_modules
-from xformer.recipe_io import load_run_recipe
 from xformer.tasks import make_task
 
 ROLES = {"positional": "positional_heads", "rare-word": "rare_word_heads", "special": "special_heads"}

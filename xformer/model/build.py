@@ -7,7 +7,8 @@ import dataclasses
 import torch
 from torch import nn
 
-from xformer.config import ModelConfig
+from xformer.config.schema import ModelConfig
+from xformer.config.sites import heads_by_site
 from xformer.model.attention import MultiHeadAttention
 from xformer.model.downsample import DOWNSAMPLERS
 from xformer.model.lowrank import LowRankProjection
@@ -26,7 +27,6 @@ from xformer.model.transformer import (
     EncoderLayer,
     Seq2Seq,
 )
-from xformer.sites import heads_by_site
 
 
 def build_model(

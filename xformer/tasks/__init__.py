@@ -10,19 +10,21 @@ from __future__ import annotations
 
 import torch
 
-from xformer.config import Recipe
+from xformer.config.loading import TASKS
+from xformer.config.schema import Recipe
 from xformer.model.build import count_parameters
 from xformer.tasks.base import Task
 from xformer.tasks.classification import ClassificationTask
 from xformer.tasks.generated import ListOpsTask, RecallTask
 from xformer.tasks.translation import TranslationTask
 
-TASKS: dict[str, type[Task]] = {
+# the loader's own dict (config/loading.py), so a task added here is a task recipes can name
+TASKS.update({
     "translation": TranslationTask,
     "classification": ClassificationTask,
     "listops": ListOpsTask,
     "recall": RecallTask,
-}
+})
 
 
 def make_task(recipe: Recipe) -> Task:

@@ -34,19 +34,19 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 import torch
 
-from xformer.checkpoint import load_model_weights, read_checkpoint, read_checkpoint_meta, run_checkpoint
-from xformer.config import DataConfig, Recipe
-from xformer.cpuload import busy
+from xformer.config.schema import DataConfig, Recipe
+from xformer.config.strict import positive
 from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.events import Event
+from xformer.generation.quantize import quantize_model
 from xformer.locks import describe, holder
 from xformer.model.build import build_model
-from xformer.quantize import quantize_model
-from xformer.runcard import data_fingerprints, run_card
-from xformer.rundir import check_tokenizer
-from xformer.runtime import Runtime, resolve_runtime
-from xformer.strict import positive
+from xformer.training.checkpoint import load_model_weights, read_checkpoint, read_checkpoint_meta, run_checkpoint
+from xformer.training.cpuload import busy
+from xformer.training.device import Runtime, resolve_runtime
+from xformer.training.run_card import data_fingerprints, run_card
+from xformer.training.run_folder import check_tokenizer
 
 # sentencepiece models (translation, classification) or fixed schemes (classification only)
 Tokenization = Literal["unigram", "bpe", "char", "byte", "whitespace"]
@@ -106,7 +106,7 @@ class EvalRequest:
     device: str = "auto"
     beam: int | None = None  # translation only
     lenpen: float | None = None  # translation only
-    quantize: str | None = None  # "int8": dynamic int8 Linear layers on the CPU (xformer/quantize.py)
+    quantize: str | None = None  # "int8": dynamic int8 Linear layers on the CPU (xformer/generation/quantize.py)
     ctranslate2: str | None = None  # decode with CTranslate2 from this exported directory (translation only)
     on_progress: Any = None  # Callable[[done, total], None]
     length: int | None = None  # a generated task's examples at this length (evaluate.at_length made the recipe)

@@ -20,20 +20,20 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from xformer.config import Recipe
-from xformer.cpuload import OtherLoad
+from xformer.config.schema import Recipe
 from xformer.data.classify import ClassBatches, Examples, TextEncoder, collate_tokens, fit_vocab
 from xformer.data.corpus import load_split
 from xformer.data.tokenizer import train_tokenizer
 from xformer.errors import DataError, RunError
 from xformer.events import Event
 from xformer.files import atomic_write_text
-from xformer.losses import rdrop_kl
 from xformer.metrics import accuracy, confusion_matrix
 from xformer.results import ClassificationEval
-from xformer.rundir import eval_name, tokenizer_dir
-from xformer.runtime import Runtime
 from xformer.tasks.base import CorpusData, EvalRequest, SiteTokens, Subject, Task, load_training_splits, mark_pad
+from xformer.training.cpuload import OtherLoad
+from xformer.training.device import Runtime
+from xformer.training.losses import rdrop_kl
+from xformer.training.run_folder import eval_name, tokenizer_dir
 
 CONFUSION_MAX_CLASSES = 20
 PAD_ID = 0  # every classification encoder pads with 0

@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import ClassVar
 
-from xformer.config import DataConfig
+from xformer.config.schema import DataConfig
+from xformer.config.strict import positive
 from xformer.data.classify import (
     ClassBatches,
     Examples,
@@ -23,7 +24,6 @@ from xformer.data.classify import (
 from xformer.data.generators import GENERATORS, RECALL_N_KEYS, SPLITS
 from xformer.errors import RunError
 from xformer.events import Event
-from xformer.strict import positive
 from xformer.tasks.classification import PAD_ID, ClassificationTask
 
 

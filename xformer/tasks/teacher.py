@@ -1,4 +1,4 @@
-"""The teacher of a distilled translation run ([distill], xformer/config.py): opening it (its
+"""The teacher of a distilled translation run ([distill], xformer/config/schema.py): opening it (its
 tokenizer must be the student's, and is copied into the student's run), its model, and the
 corpus of its translations that sequence-level distillation trains on.
 
@@ -22,15 +22,15 @@ from pathlib import Path
 
 import torch
 
-from xformer.checkpoint import read_checkpoint_meta, run_checkpoint
-from xformer.config import Recipe
+from xformer.config.schema import Recipe
 from xformer.data.tokenizer import Tokenizer
-from xformer.decode import translate_ids
 from xformer.errors import RecipeError, RunError
 from xformer.events import Event
 from xformer.files import atomic_write_bytes, atomic_write_text
-from xformer.rundir import tokenizer_digest, tokenizer_dir
-from xformer.runtime import Runtime
+from xformer.generation.decode import translate_ids
+from xformer.training.checkpoint import read_checkpoint_meta, run_checkpoint
+from xformer.training.device import Runtime
+from xformer.training.run_folder import tokenizer_digest, tokenizer_dir
 
 
 @dataclass

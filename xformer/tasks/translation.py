@@ -19,21 +19,17 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from xformer.config import DistillConfig, Recipe, TrainConfig
-from xformer.cpuload import OtherLoad
+from xformer.config.schema import DistillConfig, Recipe, TrainConfig
 from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
-from xformer.decode import DecodeStats, translate_ids
-from xformer.engines import check_export, ctranslate2_ids
 from xformer.errors import DataError, RunError
 from xformer.events import Event
 from xformer.files import atomic_write_text
-from xformer.losses import distillation_kl, rdrop_kl, sequence_loss
+from xformer.generation.ctranslate2_engine import check_export, ctranslate2_ids
+from xformer.generation.decode import DecodeStats, translate_ids
 from xformer.metrics import translation_scores
 from xformer.results import TranslationEval
-from xformer.rundir import eval_name, tokenizer_dir
-from xformer.runtime import Runtime
 from xformer.tasks.base import (
     CorpusData,
     EvalRequest,
@@ -45,6 +41,10 @@ from xformer.tasks.base import (
     site_space,
 )
 from xformer.tasks.teacher import Teacher, distilled_corpus, open_teacher, share_tokenizer
+from xformer.training.cpuload import OtherLoad
+from xformer.training.device import Runtime
+from xformer.training.losses import distillation_kl, rdrop_kl, sequence_loss
+from xformer.training.run_folder import eval_name, tokenizer_dir
 
 SETTINGS = "settings.json"  # the [data] values a tokenizer was trained with, next to it
 

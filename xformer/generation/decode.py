@@ -31,10 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from xformer.config import Recipe
+from xformer.config.schema import Recipe
 from xformer.data.batching import collate_source
 from xformer.model.transformer import DecoderCache, Seq2Seq
-from xformer.runtime import Runtime
+from xformer.training.device import Runtime
 
 
 @dataclass

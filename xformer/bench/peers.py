@@ -15,7 +15,7 @@ config.data_batches training batches of that corpus as `xformer train` cuts them
 buckets), saved once by `real_batches` (multi30k_target_tokens_per_s counts real target
 tokens only, so padding costs each peer what it costs).
 
-Each peer runs in its own process (`python -m xformer.peers NAME CONFIG_JSON [BATCHES]`, one
+Each peer runs in its own process (`python -m xformer.bench.peers NAME CONFIG_JSON [BATCHES]`, one
 round of each figure, printed as JSON), so one library's threads, allocator or compiled state
 never touch another's. HF transformers and x-transformers come from the optional `peers` extra and
 are imported only here, inside the functions that need them.
@@ -40,18 +40,18 @@ import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from xformer.bench import ModelBenchConfig, _figure, _model, matmul_peak_gflops, train_flops
-from xformer.config import ModelConfig, Recipe, TrainConfig
-from xformer.decode import beam_search, greedy_decode
+from xformer.bench.speed import ModelBenchConfig, _figure, _model, matmul_peak_gflops, train_flops
+from xformer.config.schema import ModelConfig, Recipe, TrainConfig
 from xformer.errors import XformerError
 from xformer.events import Event, ignore
-from xformer.losses import sequence_loss
+from xformer.generation.decode import beam_search, greedy_decode
 from xformer.model.dropout import use_fast_dropout
-from xformer.optim import fused_supported
 from xformer.results import Result
-from xformer.runtime import resolve_runtime
 from xformer.tasks import make_task
 from xformer.tasks.translation import TranslationData
+from xformer.training.device import resolve_runtime
+from xformer.training.losses import sequence_loss
+from xformer.training.optim import fused_supported
 
 PEERS = ("xformer", "marian", "x_transformers", "torch_nn")
 BOS, EOS, PAD = 2, 3, 0
@@ -334,7 +334,7 @@ def _in_process(peer: str, config: ModelBenchConfig, batches: Path | None) -> di
     """One round of `peer` in a fresh interpreter: its figures, or {"error": why it stopped}."""
     one = {**vars(config), "rounds": 1}
     extra = [str(batches)] if batches is not None else []
-    done = subprocess.run([sys.executable, "-m", "xformer.peers", peer, json.dumps(one), *extra],
+    done = subprocess.run([sys.executable, "-m", "xformer.bench.peers", peer, json.dumps(one), *extra],
                           capture_output=True, text=True, env=os.environ.copy())
     if done.returncode != 0:
         lines = [x for x in done.stderr.strip().splitlines() if x.strip()]
@@ -345,6 +345,6 @@ def _in_process(peer: str, config: ModelBenchConfig, batches: Path | None) -> di
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-if __name__ == "__main__":  # python -m xformer.peers NAME CONFIG_JSON [BATCHES]
+if __name__ == "__main__":  # python -m xformer.bench.peers NAME CONFIG_JSON [BATCHES]
     peer, fields = sys.argv[1], json.loads(sys.argv[2])
     print(json.dumps(run_peer(peer, ModelBenchConfig(**fields), sys.argv[3] if len(sys.argv) > 3 else None)))

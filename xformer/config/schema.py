@@ -9,7 +9,7 @@ collected and reported together in one `RecipeError`.
 Derived values (`head_dim`, `kv_heads`) are properties, so they are never written into a
 saved recipe and a saved recipe reloads to an equal `Recipe`.
 
-Reading a recipe file and its `--set` overrides into a Recipe is xformer/recipe_io.py.
+Reading a recipe file and its `--set` overrides into a Recipe is xformer/config/loading.py.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Literal
 
-from xformer.sites import pruned_heads_problems
-from xformer.strict import (
+from xformer.config.sites import pruned_heads_problems
+from xformer.config.strict import (
     non_negative,
     only_when,
     positive,
@@ -49,7 +49,7 @@ DecayShape = Literal["1-sqrt", "linear"]
 Regularisation = Literal["recipe", "budget"]
 Precision = Literal["auto", "fp32", "bf16", "fp16"]
 CheckpointChoice = Literal["best", "last", "averaged"]
-EvalQuantize = Literal["", "int8"]  # xformer/quantize.py's QUANTIZE, or "" for none
+EvalQuantize = Literal["", "int8"]  # xformer/generation/quantize.py's QUANTIZE, or "" for none
 BestMetric = Literal["auto", "bleu", "accuracy", "loss"]
 
 TRANSFORMER_POOLING = ("cls", "mean", "last")
@@ -235,7 +235,7 @@ class DataConfig:
         return out
 
     def fingerprints(self) -> dict[str, str]:
-        """Split name -> fingerprint of the data files it reads (xformer.runcard); none for
+        """Split name -> fingerprint of the data files it reads (xformer.training.run_card); none for
         data a task generates from the recipe's own fields."""
         return {}
 
@@ -270,7 +270,7 @@ class TrainConfig:
     # wsd (warmup, stable, decay; Hagele et al. 2024, arXiv:2405.18392): the rate stays at lr
     # until the last decay_fraction of the run, then cools down to min_lr, shaped 1 - sqrt (their
     # best) or linear. The run's end is the first of max_steps, max_epochs' last step and, under
-    # max_time, the step the trainer expects the time to end at (xformer.optim.WsdPlan); with
+    # max_time, the step the trainer expects the time to end at (xformer.training.optim.WsdPlan); with
     # train.patience, validation that stops improving starts the cooldown instead of stopping
     decay_fraction: float = field(default=0.2, metadata=only_when("schedule", "wsd"))
     min_lr: float = field(default=0.0, metadata=only_when("schedule", "wsd"))
@@ -279,7 +279,7 @@ class TrainConfig:
     # recipe: model.dropout, train.label_smoothing and data.sampling_alpha as written; budget:
     # chosen from the epochs the run will train (a step budget's, or a time budget's from a
     # short calibration inside it), written into the run's recipe.toml and explained in
-    # train.json (xformer.budget)
+    # train.json (xformer.training.budget)
     regularisation: Regularisation = "recipe"
     # R-Drop (Liang et al. 2021): each batch runs twice (two dropout masks) and alpha weighs the
     # symmetric KL between the two output distributions; 0 disables it. Costs ~2x per step.
@@ -299,7 +299,7 @@ class TrainConfig:
     best_metric: BestMetric = "auto"
     average_last: int = 5  # checkpoints averaged into the "averaged" model
     # auto: bf16 (or fp16 + scaler) on CUDA; on the CPU bf16 where it multiplies bf16 natively
-    # (AMX, AVX512-BF16), else fp32 (xformer.runtime)
+    # (AMX, AVX512-BF16), else fp32 (xformer.training.device)
     precision: Precision = "auto"
     log_every: int = 50
     log_seconds: float = 30.0  # also log when this many seconds passed since the last line; 0: steps only

@@ -39,21 +39,21 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from xformer.config import Recipe
+from xformer.config.loading import load_recipe, read_toml, recipe_from_dict
+from xformer.config.schema import Recipe
+from xformer.config.strict import did_you_mean, section_from_dict
 from xformer.errors import RecipeError
 from xformer.evaluate import evaluate_run
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
-from xformer.grid import check_grid_dir, pin, stop_if_asked, train_to_end
 from xformer.locks import FolderLock
 from xformer.model.lstm import match_hidden
-from xformer.recipe_io import load_recipe, read_toml, recipe_from_dict
 from xformer.results import SweepResult
-from xformer.rundir import run_state
-from xformer.runlog import StopSignals
-from xformer.strict import did_you_mean, section_from_dict
+from xformer.studies.grid import check_grid_dir, pin, stop_if_asked, train_to_end
 from xformer.tasks import make_task, parameter_count
 from xformer.tasks.generated import GeneratedData
+from xformer.training.progress import StopSignals
+from xformer.training.run_folder import run_state
 
 if sys.version_info >= (3, 11):
     import tomllib

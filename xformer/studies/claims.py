@@ -22,7 +22,7 @@ noise, is shown beside it, not decided on. The interval's half-width is the smal
 the design can detect. A check with `metric = "decode_speed"` or `"train_speed"` compares the
 runs' timed speeds instead (a claimed "3x faster" is `percent = 200`), and is inconclusive when a
 run behind it was timed while other processes took more than BUSY_OVER cores
-(xformer.cpuload); `metric = "decode_memory"` compares the decoder's KV cache at its largest,
+(xformer.training.cpuload); `metric = "decode_memory"` compares the decoder's KV cache at its largest,
 where "better" and "worse" read as larger and smaller (a cache cut h-fold by 4 heads is `worse`,
 `percent = 75`). With M the claimed margin or tolerance:
 
@@ -49,9 +49,9 @@ import statistics
 from dataclasses import dataclass, field
 from typing import Literal
 
-from xformer.cpuload import BUSY_OVER, busy
-from xformer.experiment_report import OTHERS
-from xformer.strict import did_you_mean, section_from_dict
+from xformer.config.strict import did_you_mean, section_from_dict
+from xformer.studies.experiment_report import OTHERS
+from xformer.training.cpuload import BUSY_OVER, busy
 
 Expect = Literal["better", "worse", "not_better", "not_worse", "same"]
 Metric = Literal["test", "train_speed", "decode_speed", "decode_memory", "positional_heads", "rare_word_heads",
@@ -219,7 +219,7 @@ def _check_problems(check: Check, cells: list[str], name: str) -> list[str]:
 
 
 def judge(check: Check, results: dict) -> Outcome:
-    """Judge one check against an experiment's results.json (xformer.experiment): on the
+    """Judge one check against an experiment's results.json (xformer.studies.experiment): on the
     seed-paired mean difference and its 95% t-interval across seeds (module docstring)."""
     than = check.cell if check.than_init else check.than or results["baseline"]
     seeds = results["seeds"]

@@ -15,15 +15,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from xformer.config import CHANGEABLE, FIXED_ON_RESUME, SECTIONS, Change, DataConfig, Recipe
+from xformer.config.schema import CHANGEABLE, FIXED_ON_RESUME, SECTIONS, Change, DataConfig, Recipe
+from xformer.config.strict import describe, did_you_mean, section_from_dict
 from xformer.errors import RecipeError, RunError
-from xformer.strict import describe, did_you_mean, section_from_dict
-from xformer.tasks import TASKS
 
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
+
+# data.task -> its task class, whose `Data` is the task's [data] table. The one dict is
+# xformer.tasks.TASKS: the tasks fill it as they are imported (`import xformer` does that first),
+# so the loader knows every task's fields without config/ importing the floors above it.
+TASKS: dict[str, Any] = {}
 
 
 def read_toml(path: Path, what: str) -> dict:
@@ -156,7 +160,7 @@ def _rename_legacy_keys(raw: dict, problems: list[str]) -> None:
 
 
 def _data_from_dict(table: dict, problems: list[str]):
-    """[data] into the Data class of its task (xformer.tasks.TASKS): a field that only another
+    """[data] into the Data class of its task (TASKS): a field that only another
     task has is named with the task it belongs to."""
     task = table.get("task", DataConfig.task)
     if not isinstance(task, str) or task not in TASKS:

@@ -1,4 +1,4 @@
-"""Optimizer and learning-rate schedules (the losses are xformer/losses.py)."""
+"""Optimizer and learning-rate schedules (the losses are xformer/training/losses.py)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from xformer.config import TrainConfig
+from xformer.config.schema import TrainConfig
 
 
 def build_optimizer(model: nn.Module, cfg: TrainConfig) -> torch.optim.Optimizer:

@@ -1,6 +1,6 @@
 """The claims ledger: docs/claims.md, generated from the claim specs and their experiments.
 
-    specs     recipes/claims/*.toml: a [claim] table each (xformer/claims.py), with the
+    specs     recipes/claims/*.toml: a [claim] table each (xformer/studies/claims.py), with the
               [experiment] that measures it or `blocked` saying what xformer lacks
     runs      RUNS/<spec name>/results.json, written by `xformer experiment`
     records   RECORDS/<spec name>.json: what the ledger last read from a run folder (the results
@@ -20,7 +20,11 @@ import statistics
 from datetime import datetime, timezone
 from pathlib import Path
 
-from xformer.claims import (
+from xformer.config.loading import read_toml
+from xformer.errors import RecipeError, RunError
+from xformer.files import atomic_write_text
+from xformer.results import ExperimentResult, Ledger
+from xformer.studies.claims import (
     CONVERGED_GAIN,
     METRIC_KEYS,
     ROLE_METRICS,
@@ -33,12 +37,8 @@ from xformer.claims import (
     testable,
     verdict,
 )
-from xformer.errors import RecipeError, RunError
-from xformer.experiment import Experiment, load_experiment
-from xformer.experiment_report import curve_png, markdown
-from xformer.files import atomic_write_text
-from xformer.recipe_io import read_toml
-from xformer.results import ExperimentResult, Ledger
+from xformer.studies.experiment import Experiment, load_experiment
+from xformer.studies.experiment_report import curve_png, markdown
 
 LOCAL = ("hypotheses", "predictions", "run_dir")  # run fields that are paths on the machine that ran it
 HEADER = """# The claims ledger
@@ -49,7 +49,7 @@ folders; do not edit by hand.
 
 How to read it: each run is an ordinary training run scored once on the test split with its
 best-on-validation checkpoint; cells are compared with the spec's baseline cell seed by seed. A
-verdict is mechanical (the rule is in `xformer/claims.py`), decided on the seed-paired mean
+verdict is mechanical (the rule is in `xformer/studies/claims.py`), decided on the seed-paired mean
 difference and its 95% t-interval across seeds (training noise); each seed's paired test on the
 test set (sacreBLEU's bootstrap for BLEU, McNemar's exact test for accuracy) is shown beside it.
 *Supported* when the interval excludes 0 on the claimed side and the mean reaches the claimed

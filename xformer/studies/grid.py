@@ -10,13 +10,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 from xformer.allocator import release
-from xformer.config import Recipe
+from xformer.config.schema import Recipe
 from xformer.errors import RunError
 from xformer.files import atomic_write_text
 from xformer.locks import LOCK
-from xformer.rundir import is_run_dir, run_state
-from xformer.runlog import StopSignals
 from xformer.train import run
+from xformer.training.progress import StopSignals
+from xformer.training.run_folder import is_run_dir, run_state
 
 
 class GridStopped(Exception):  # noqa: N818 - a stop asked for, like KeyboardInterrupt, not an error

@@ -27,13 +27,20 @@ from pathlib import Path
 
 import torch
 
-from xformer.budget import keep_fitted
-from xformer.checkpoint import read_checkpoint, read_checkpoint_meta, write_tensors
-from xformer.config import CHANGEABLE, FIXED_ON_RESUME, Change, Recipe
+from xformer.config.loading import load_recipe, recipe_at
+from xformer.config.schema import CHANGEABLE, FIXED_ON_RESUME, Change, Recipe
 from xformer.errors import RunError
 from xformer.files import atomic_write_text
-from xformer.recipe_io import load_recipe, recipe_at
-from xformer.rundir import BRANCHED, check_out_dir, check_tokenizer, clear_run_dir, is_run_dir, mark_run_dir
+from xformer.training.budget import keep_fitted
+from xformer.training.checkpoint import read_checkpoint, read_checkpoint_meta, write_tensors
+from xformer.training.run_folder import (
+    BRANCHED,
+    check_out_dir,
+    check_tokenizer,
+    clear_run_dir,
+    is_run_dir,
+    mark_run_dir,
+)
 
 
 @dataclass
@@ -108,7 +115,7 @@ def set_aside(point: ResumePoint) -> Path | None:
 def prepare_run_dir(out_dir: Path, recipe: Recipe, *, resume: bool, overwrite: bool,
                     recipe_path: Path | None = None, check_only: bool = False) -> list[str]:
     """Create RUN, or check that there is a run to resume; never overwrite silently and never
-    touch what is not a run's (xformer.rundir). Returns the artefacts removed. check_only
+    touch what is not a run's (xformer.training.run_folder). Returns the artefacts removed. check_only
     raises what would be refused and changes nothing."""
     check_out_dir(out_dir, recipe_path, resume=resume)
     if resume and not has_checkpoint(out_dir) and not is_run_dir(out_dir):

@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from xformer.cpuload import BUSY_OVER, busy
 from xformer.files import atomic_write_text
 from xformer.results import ExperimentResult
 from xformer.significance import SIGNIFICANT
+from xformer.training.cpuload import BUSY_OVER, busy
 
 SPEEDS = ("train_steps_per_s", "decode_per_s")  # per run, timed on the machine that ran it
-# the CPU cores other processes took while each speed was timed (xformer.cpuload)
+# the CPU cores other processes took while each speed was timed (xformer.training.cpuload)
 OTHERS = {"train_steps_per_s": "train_others_cpu", "decode_per_s": "decode_others_cpu"}
 
 

@@ -20,9 +20,9 @@ import shutil
 import time
 from pathlib import Path
 
-from xformer.checkpoint import read_checkpoint_meta
 from xformer.errors import RunError
 from xformer.locks import LOCK
+from xformer.training.checkpoint import read_checkpoint_meta
 
 MARKER = "xformer-run.json"
 BRANCHED = "branched-from.json"  # where `train --branch-from` took the run from, and at which step

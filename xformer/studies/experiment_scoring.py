@@ -1,4 +1,4 @@
-"""Scoring an experiment's runs (xformer.experiment): each run's test score with its
+"""Scoring an experiment's runs (xformer.studies.experiment): each run's test score with its
 best-on-validation checkpoint, once, and what a comparison needs beside it: scores at other
 lengths, the machine it was made on, a diverged run's empty output, the test inputs' lengths,
 the teachers of distilled cells."""
@@ -9,13 +9,13 @@ import json
 import statistics
 from pathlib import Path
 
-from xformer.checkpoint import read_checkpoint_meta
 from xformer.data.corpus import load_split
 from xformer.evaluate import CannotExtrapolate, evaluate_run
 from xformer.files import atomic_write_text
 from xformer.heads.roles import role_counts
 from xformer.tasks import make_task, parameter_count
 from xformer.tasks.base import checkpoint_identity
+from xformer.training.checkpoint import read_checkpoint_meta
 
 
 def score_run(run_dir: Path, cell: str, seed: int, device: str) -> dict:
@@ -99,7 +99,7 @@ def head_roles(run_dir: Path, n_examples: int, device: str) -> dict:
 
 def machine(card: dict) -> dict:
     """What a run was made on and with, from its run card: runs of one comparison must agree on
-    the device and precision (and, for a timing, on the CPU); the ledger checks (xformer.ledger)."""
+    the device and precision (and, for a timing, on the CPU); the ledger checks (xformer.studies.ledger)."""
     return {"cpu": card.get("cpu"), "device": card.get("device"), "precision": card.get("precision"),
             "torch": card.get("versions", {}).get("torch"), "commit": card.get("git_commit")}
 

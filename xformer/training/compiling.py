@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from xformer.events import Event
-from xformer.runtime import Runtime
+from xformer.training.device import Runtime
 
 BACKEND = "inductor"  # what train.compile hands torch.compile
 

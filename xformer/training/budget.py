@@ -32,11 +32,11 @@ from collections.abc import Callable
 
 import torch
 
-from xformer.config import Recipe
-from xformer.distributed import Cluster
+from xformer.config.loading import recipe_from_dict
+from xformer.config.schema import Recipe
 from xformer.events import Event, ignore
-from xformer.optim import build_optimizer
-from xformer.recipe_io import recipe_from_dict
+from xformer.training.distributed import Cluster
+from xformer.training.optim import build_optimizer
 
 KEYS = ("model.dropout", "train.label_smoothing", "data.sampling_alpha")  # what the rule sets
 # (fewer than this many epochs, {key: value}); the last row has no upper bound

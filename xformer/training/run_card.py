@@ -20,9 +20,9 @@ from importlib import metadata
 from pathlib import Path
 
 from xformer.allocator import allocator
-from xformer.config import Recipe
+from xformer.config.schema import Recipe
 from xformer.data.corpus import local_files
-from xformer.runtime import Runtime
+from xformer.training.device import Runtime
 
 PACKAGES = ("torch", "sacrebleu", "sentencepiece", "datasets")
 

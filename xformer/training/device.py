@@ -50,7 +50,7 @@ class Runtime:
         rule, which is the same test, and lowers its scale. Returns a 0-dim float tensor on the
         device, 1.0 for a skipped step; without a host sync when the optimizer is fused (its
         kernel reads `found_inf`), with one otherwise. `reduce(model)` first sums the gradients
-        over the processes of a distributed run (xformer.distributed), so every test below
+        over the processes of a distributed run (xformer.training.distributed), so every test below
         sees the same numbers in every process."""
         if reduce is not None:
             reduce(model)

@@ -32,7 +32,7 @@ class Progress:
     compute_seconds: float = 0.0
     data_seconds: float = 0.0
     loop_seconds: float = 0.0
-    others_cpu_seconds: float = 0.0  # CPU other processes took from this run (xformer.cpuload)
+    others_cpu_seconds: float = 0.0  # CPU other processes took from this run (xformer.training.cpuload)
     tokens: int = 0
     skipped_steps: int = 0  # steps whose loss or gradients were not finite, so not taken
     peak_memory_mb: float = 0.0
@@ -45,7 +45,7 @@ class Progress:
     decay_start: int = 0
     decay_end: int = 0
     decay_limit: str = ""
-    regularisation: dict | None = None  # what train.regularisation = "budget" chose, and why (xformer.budget)
+    regularisation: dict | None = None  # what train.regularisation = "budget" chose, and why (xformer.training.budget)
 
 
 class LogLine:

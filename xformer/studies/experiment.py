@@ -32,7 +32,7 @@ on the test split. Then
                        sentences decoded (translation) or examples classified a second (timed
                        on the machine that ran the run: compare cells run on one machine, one
                        at a time), and for translation the decoder's KV cache at its largest
-    OUT/results.md     the same as a table (xformer.experiment_report)
+    OUT/results.md     the same as a table (xformer.studies.experiment_report)
     OUT/results.png    the test metric per cell, mean and std
 """
 
@@ -52,13 +52,18 @@ from pathlib import Path
 
 import torch
 
-from xformer.claims import Check, Claim, claim_from_table
-from xformer.config import Recipe
+from xformer.config.loading import load_recipe, parse_override, read_toml
+from xformer.config.schema import Recipe
+from xformer.config.strict import did_you_mean, section_from_dict
 from xformer.errors import DivergedError, RecipeError, RunError
 from xformer.evaluate import paired_set
 from xformer.events import Event, ignore
-from xformer.experiment_report import SPEEDS, write_results
-from xformer.experiment_scoring import (
+from xformer.locks import FolderLock
+from xformer.results import ExperimentResult
+from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu, right_or_wrong
+from xformer.studies.claims import Check, Claim, claim_from_table
+from xformer.studies.experiment_report import SPEEDS, write_results
+from xformer.studies.experiment_scoring import (
     at_lengths,
     diverged_at,
     head_roles,
@@ -67,15 +72,10 @@ from xformer.experiment_scoring import (
     score_run,
     teachers,
 )
-from xformer.grid import check_grid_dir, pin, stop_if_asked, train_to_end
-from xformer.locks import FolderLock
-from xformer.recipe_io import load_recipe, parse_override, read_toml
-from xformer.results import ExperimentResult
-from xformer.reuse import copy_run, finished_runs, same_run
-from xformer.rundir import run_state
-from xformer.runlog import StopSignals
-from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu, right_or_wrong
-from xformer.strict import did_you_mean, section_from_dict
+from xformer.studies.grid import check_grid_dir, pin, stop_if_asked, train_to_end
+from xformer.studies.reuse import copy_run, finished_runs, same_run
+from xformer.training.progress import StopSignals
+from xformer.training.run_folder import run_state
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
 MEASURES = (*SPEEDS, "decode_cache_mb")  # averaged per cell
@@ -102,7 +102,7 @@ class ExperimentConfig:
     inspect_heads: int = 0
     rescore: bool = False  # score runs copied by --reuse again here (a speed claim times every run in one sitting)
     # the baseline's converged test score at this scale (measured, e.g. the CPU scale's); the
-    # ledger gives no verdict while the baseline scores under 90% of it (xformer.claims); 0: none
+    # ledger gives no verdict while the baseline scores under 90% of it (xformer.studies.claims); 0: none
     reference: float = 0.0
 
     def problems(self, cells: dict) -> list[str]:
@@ -136,7 +136,7 @@ class Experiment:
     cells: dict[str, list[str]]
     source: Path
     overrides: list[str] = field(default_factory=list)  # --set of every cell, after experiment.set
-    claim: Claim | None = None  # the [claim] the experiment tests (xformer/claims.py), if any
+    claim: Claim | None = None  # the [claim] the experiment tests (xformer/studies/claims.py), if any
     checks: list[Check] = field(default_factory=list)
 
     def recipe(self, cell: str, seed: int, budget: int = 0) -> Recipe:
@@ -227,7 +227,7 @@ def run_key(cell: str, seed: int, budget: int = 0) -> str:
 
 
 def cooldown_start(budget: int, fraction: float) -> int:
-    """The step a wsd run of `budget` steps starts cooling down at (xformer.optim.wsd_window):
+    """The step a wsd run of `budget` steps starts cooling down at (xformer.training.optim.wsd_window):
     where its branch leaves the stable run."""
     return budget - max(1, round(fraction * budget))
 
@@ -336,7 +336,7 @@ def _train_one(experiment: Experiment, out_dir: Path, index: int, cell: str, see
 def _in_parallel(experiment: Experiment, out_dir: Path, plan: list[tuple[str, int]], finished: list, *,
                  device: str, jobs: int, emit: Event, stops: StopSignals) -> None:
     """Train and score the plan's runs `jobs` at a time, each (cell, seed) and its cooldowns in a
-    process of its own (`python -m xformer.experiment`) with this process's CPU threads split
+    process of its own (`python -m xformer.studies.experiment`) with this process's CPU threads split
     between them (on CUDA, `jobs` processes share the device). The runs they leave are what
     one job at a time would have made; the caller then reads them in order."""
     threads = max(1, torch.get_num_threads() // jobs)
@@ -356,8 +356,8 @@ def _in_parallel(experiment: Experiment, out_dir: Path, plan: list[tuple[str, in
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with open(log, "w") as stderr:
                     running[(cell, seed)] = subprocess.Popen(
-                        [sys.executable, "-m", "xformer.experiment", json.dumps(fields)], stdout=subprocess.DEVNULL,
-                        stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                        [sys.executable, "-m", "xformer.studies.experiment", json.dumps(fields)],
+                        stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
                 emit("job_start", {"cell": cell, "seed": seed})
             if stops.received:
                 for process in running.values():  # each stops at a step boundary with its checkpoint
@@ -489,5 +489,5 @@ def _job(fields: dict) -> None:
                    finished=finished, emit=ignore, stops=stops)
 
 
-if __name__ == "__main__":  # python -m xformer.experiment FIELDS_JSON: one job of --jobs N
+if __name__ == "__main__":  # python -m xformer.studies.experiment FIELDS_JSON: one job of --jobs N
     _job(json.loads(sys.argv[1]))

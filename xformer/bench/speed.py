@@ -21,12 +21,10 @@ from dataclasses import dataclass, field
 import torch
 
 from xformer.allocator import allocator
-from xformer.config import ModelConfig
-from xformer.decode import beam_search, greedy_decode
+from xformer.config.schema import ModelConfig
 from xformer.errors import XformerError
 from xformer.events import Event, ignore
-from xformer.instrument import PeakMemory
-from xformer.losses import sequence_loss
+from xformer.generation.decode import beam_search, greedy_decode
 from xformer.model.attention import MultiHeadAttention
 from xformer.model.build import build_model
 from xformer.model.dropout import use_fast_dropout
@@ -34,7 +32,9 @@ from xformer.model.flex import unavailable as flex_unavailable
 from xformer.model.lowrank import LowRankProjection
 from xformer.model.patterns import PATTERNS, PatternMask, make_pattern
 from xformer.results import Result
-from xformer.runtime import resolve_runtime
+from xformer.training.device import resolve_runtime
+from xformer.training.losses import sequence_loss
+from xformer.training.measure import PeakMemory
 
 
 @dataclass

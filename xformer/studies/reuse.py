@@ -8,12 +8,12 @@ import json
 import shutil
 from pathlib import Path
 
-from xformer.checkpoint import read_checkpoint
-from xformer.config import Recipe
+from xformer.config.loading import load_recipe
+from xformer.config.schema import Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.files import atomic_write_text
-from xformer.recipe_io import load_recipe
-from xformer.rundir import run_state
+from xformer.training.checkpoint import read_checkpoint
+from xformer.training.run_folder import run_state
 
 DECODING = ("beam", "lenpen", "checkpoint", "quantize")  # [eval] fields that do not touch training
 

@@ -41,20 +41,20 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_model, save_model
 
+from xformer.config.loading import load_recipe
 from xformer.data.corpus import load_split
 from xformer.errors import RunError, XformerError
 from xformer.evaluate import evaluate_run, paired_set
 from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.metrics import translation_scores
-from xformer.recipe_io import load_recipe
 from xformer.results import Result
-from xformer.runlog import append_jsonl
-from xformer.runtime import resolve_runtime
 from xformer.significance import paired_bleu
 from xformer.tasks import make_task
 from xformer.tasks.base import EvalRequest
 from xformer.train import run
+from xformer.training.device import resolve_runtime
+from xformer.training.progress import append_jsonl
 
 SYSTEMS = ("xformer", "marian", "marian_wsd")
 PAD, BOS, EOS = 0, 2, 3
@@ -306,9 +306,9 @@ def _recorded(out_dir: Path, system: str, seed: int, what: str) -> list[str]:
 
 
 def _train_in_process(system: str, config: QualityConfig, seed: int, folder: Path, emit: Event) -> None:
-    """`python -m xformer.quality SYSTEM ...` in a fresh interpreter (its own threads, allocator
+    """`python -m xformer.bench.quality SYSTEM ...` in a fresh interpreter (its own threads, allocator
     state, clock), ticking the bar by the time it has had; its stderr's last line on failure."""
-    command = [sys.executable, "-m", "xformer.quality", system, json.dumps(
+    command = [sys.executable, "-m", "xformer.bench.quality", system, json.dumps(
         {"recipe": str(config.recipe), "sets": config.sets, "seed": seed, "minutes": config.minutes,
          "device": config.device, "out": str(folder)})]
     log = folder.with_name(folder.name + ".log")
@@ -369,5 +369,5 @@ def _main(system: str, fields: dict) -> None:
                  minutes=fields["minutes"], device=fields["device"])
 
 
-if __name__ == "__main__":  # python -m xformer.quality SYSTEM FIELDS_JSON
+if __name__ == "__main__":  # python -m xformer.bench.quality SYSTEM FIELDS_JSON
     _main(sys.argv[1], json.loads(sys.argv[2]))

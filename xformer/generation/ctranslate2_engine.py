@@ -9,9 +9,9 @@ import hashlib
 import json
 from pathlib import Path
 
-from xformer.checkpoint import read_checkpoint_meta, run_checkpoint
 from xformer.errors import RunError
-from xformer.rundir import tokenizer_digest
+from xformer.training.checkpoint import read_checkpoint_meta, run_checkpoint
+from xformer.training.run_folder import tokenizer_digest
 
 CT2_META = "xformer-ctranslate2.json"  # what export writes beside the converted model
 
