@@ -45,22 +45,50 @@ def test_no_session_issue_or_main_job_mentions():
     assert not hits, "work-log words in the product:\n" + "\n".join(hits)
 
 
-def readme_sections() -> dict[str, str]:
-    """README's `### `xformer NAME`` sections, by command name."""
-    text = (ROOT / "README.md").read_text(encoding="utf-8")
-    parts = re.split(r"^### `xformer ([a-z-]+(?: [a-z-]+)?)`[^\n]*$", text, flags=re.MULTILINE)
-    return {name: body.split("\n## ", 1)[0] for name, body in zip(parts[1::2], parts[2::2], strict=True)}
+def command_page(name: str) -> Path:
+    return ROOT / "docs" / "commands" / f"{name.replace(' ', '-')}.md"
 
 
-def test_readme_has_a_section_with_synopsis_options_and_example_per_command():
-    sections = readme_sections()
-    missing = [c for c in COMMANDS if c not in sections]
-    assert not missing, f"README.md: no section for {missing}"
+def test_every_command_has_a_page_with_synopsis_options_and_example_linked_from_the_readme():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    missing = [c for c in COMMANDS if not command_page(c).is_file()]
+    assert not missing, f"docs/commands/: no page for {missing}"
     for name in COMMANDS:
-        body = sections[name]
-        assert f"\nxformer {name} " in body, f"README.md, xformer {name}: no synopsis"
-        assert "| option |" in body, f"README.md, xformer {name}: no options table"
-        assert "```bash\n" in body, f"README.md, xformer {name}: no example"
+        page = command_page(name)
+        body = page.read_text(encoding="utf-8")
+        where = page.relative_to(ROOT)
+        assert body.startswith(f"# `xformer {name}`\n"), f"{where}: does not open with its command"
+        assert f"\nxformer {name} " in body, f"{where}: no synopsis"
+        assert "| option |" in body, f"{where}: no options table"
+        assert "```bash\n" in body, f"{where}: no example"
+        assert f"]({where.as_posix()})" in readme, f"README.md: no link to {where}"
+    strays = {p.stem for p in (ROOT / "docs" / "commands").glob("*.md")} - {c.replace(" ", "-") for c in COMMANDS}
+    assert not strays, f"docs/commands/: pages of no command: {sorted(strays)}"
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a markdown heading."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def test_every_relative_link_in_the_docs_reaches_a_file_and_heading():
+    pages = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), ROOT / "benchmarks" / "README.md"]
+    broken = []
+    for page in pages:
+        text = re.sub(r"```.*?```", "", page.read_text(encoding="utf-8"), flags=re.DOTALL)
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (page.parent / path).resolve() if path else page
+            if not file.exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target} (no such file)")
+            elif anchor and file.suffix == ".md":
+                headings = re.findall(r"^#+ (.+)$", file.read_text(encoding="utf-8"), flags=re.MULTILINE)
+                if anchor not in {slug(h) for h in headings}:
+                    broken.append(f"{page.relative_to(ROOT)}: {target} (no such heading)")
+    assert not broken, "\n".join(broken)
 
 
 def test_readme_names_no_path_beside_the_checkout():
@@ -90,7 +118,7 @@ def test_every_recipe_header_says_what_command_result_and_hardware():
 def test_the_claims_ledger_is_what_its_specs_and_records_generate(monkeypatch):
     """docs/claims.md is generated (`xformer claims`), never edited: regenerated from
     recipes/claims/ and the records in docs/claims/, it comes out the same."""
-    from xformer.ledger import ledger_problems
+    from xformer.studies.ledger import ledger_problems
 
     monkeypatch.chdir(ROOT)  # the ledger names specs by their path from the checkout
     assert ledger_problems(Path("recipes/claims"), Path("docs/claims.md")) == []
