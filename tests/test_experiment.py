@@ -438,6 +438,30 @@ def test_a_curve_trains_one_stable_run_per_seed_and_branches_each_smaller_budget
     assert (tmp_path / "docs" / "claims" / "curve.png").stat().st_size > 0
 
 
+def test_reuse_copies_a_curves_cooldowns_with_the_run_they_branch_from(tmp_path):
+    """A second experiment of the same cell with --reuse copies the stable run and its cooldowns
+    (the branch recorded as a change in the copy's recipe is no difference), trains nothing, and
+    reports the scores of the runs it copied."""
+    spec = tmp_path / "curve.toml"
+    spec.write_text(recall_spec([1, 2]).replace("max_steps = 4", "budgets = [4, 8]"))
+    first = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "first"), "--device", "cpu", "--json"])
+    assert first.exit_code == 0, first.output
+    again = tmp_path / "again.toml"
+    again.write_text(spec.read_text().replace('one = ["model.n_encoder_layers=1"]\n', ""))
+    second = runner.invoke(app, ["experiment", str(again), "--out", str(tmp_path / "second"), "--device", "cpu",
+                                 "--reuse", str(tmp_path / "first"), "--json"])
+    assert second.exit_code == 0, second.output
+    runs = tmp_path / "second" / "runs"
+    for name in ("two-s1", "two-s1-at4", "two-s2", "two-s2-at4"):
+        source = json.loads((runs / name / "copied-from.json").read_text())["source"]
+        assert Path(source) == tmp_path / "first" / "runs" / name
+    a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (first, second))
+    mine = {(r["cell"], r["seed"], r.get("budget")): (r["test"], r["valid"]) for c in b["curves"] for r in c["runs"]}
+    theirs = {(r["cell"], r["seed"], r.get("budget")): (r["test"], r["valid"]) for c in a["curves"] for r in c["runs"]
+              if r["cell"] == "two"}
+    assert mine == theirs and len(mine) == 4
+
+
 CURVE_CLAIM = """
 [claim]
 number = 2

@@ -73,7 +73,7 @@ from xformer.studies.experiment_scoring import (
     teachers,
 )
 from xformer.studies.grid import check_grid_dir, pin, stop_if_asked, train_to_end
-from xformer.studies.reuse import copy_run, finished_runs, same_run
+from xformer.studies.reuse import copy_run, finished_runs, reused_branch, same_run
 from xformer.training.progress import StopSignals
 from xformer.training.run_folder import run_state
 
@@ -393,6 +393,11 @@ def _branched(experiment: Experiment, out_dir: Path, cell: str, seed: int, budge
     emit("run_start", {"index": -1, "cell": cell, "seed": seed, "budget": budget,
                        "resume": run_state(run_dir) == "resume"})
     diverged = stable.get("diverged_at") or diverged_at(run_dir)
+    if diverged is None and run_state(run_dir) == "new" and not run_dir.exists():
+        source, rescore = reused_branch(out_dir / "runs" / run_key(cell, seed), budget, recipe.to_dict())
+        if source is not None:  # the stable run is a copy, and so is its cooldown
+            copy_run(source, run_dir, recipe if rescore or experiment.config.rescore else None)
+            emit("reused", {"cell": cell, "seed": seed, "budget": budget, "source": str(source), "rescore": rescore})
     if diverged is None:
         try:
             train_to_end(recipe, run_dir, device=device, branch=(out_dir / "runs" / run_key(cell, seed),

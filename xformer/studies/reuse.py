@@ -57,6 +57,29 @@ def _training(recipe: dict) -> dict:
     return {**recipe, "eval": {k: v for k, v in recipe["eval"].items() if k not in DECODING}}
 
 
+def reused_branch(stable: Path, budget: int, wanted: dict) -> tuple[Path | None, bool]:
+    """A cooldown of `budget` steps already branched from the run `stable` was copied from
+    (its copied-from.json), trained as `wanted` would be: (its folder, whether to score it again),
+    or (None, False). Its recipe records the branch as a change at the cooldown's first step,
+    which a recipe asked for anew has not yet, so the two are compared without their changes."""
+    provenance = stable / "copied-from.json"
+    if not provenance.is_file():
+        return None, False
+    source = Path(json.loads(provenance.read_text())["source"])
+    branch = source.parent / f"{source.name}-at{budget}"
+    if run_state(branch) != "trained":
+        return None, False
+    try:
+        theirs = json.loads(json.dumps(load_recipe(branch / "recipe.toml").to_dict()))
+    except RecipeError:
+        return None, False
+    theirs.pop("changes", None)
+    wanted = {k: v for k, v in json.loads(json.dumps(wanted)).items() if k != "changes"}
+    if theirs == wanted:
+        return branch, False
+    return (branch, True) if _training(theirs) == _training(wanted) else (None, False)
+
+
 def copy_run(source: Path, run_dir: Path, rescored: Recipe | None) -> None:
     """A copy of a finished run; with `rescored`, under that recipe and without its scores.
     Every checkpoint is read first (its sha256 checked): a damaged one is refused, naming it,
