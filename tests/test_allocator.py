@@ -112,3 +112,48 @@ def test_release_gives_a_freed_tensors_pages_back_when_tuned_and_does_nothing_ot
     untuned = subprocess.run([sys.executable, "-c", RELEASE], env=clean_env(XFORMER_ALLOCATOR="system"),
                              capture_output=True, text=True, check=True).stdout.split()
     assert untuned[:2] == ["False", "False"]  # glibc unmapped the tensor itself
+
+
+VALIDATION = """
+import json, sys, torch
+from pathlib import Path
+from xformer import load_recipe
+from xformer.allocator import tune_allocator
+from xformer.train import _validate_and_save
+from xformer.training.progress import Progress
+
+def resident_mb():
+    return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
+
+tune_allocator()
+recipe = load_recipe(sys.argv[1], ["train.average_last=0", "train.max_steps=1"])
+step = [torch.ones(2**20) for _ in range(128)]  # a training step's 512 MB of tensors, touched
+before = resident_mb()
+del step  # freed: a tuned heap keeps the pages
+seen = []
+
+
+class Task:
+    def validate(self, model, rt):
+        seen.append(resident_mb())
+        return {"loss": 1.0, "bleu": 1.0}
+
+
+task = Task()
+out = Path(sys.argv[2])
+(out / "checkpoints").mkdir(parents=True)
+_validate_and_save(torch.nn.Linear(2, 2), recipe, task, None, Progress(step=1), out, lambda *a: None, lambda: 0.0, {})
+print(json.dumps({"before": before, "validating": seen[0]}))
+"""
+
+
+def test_validation_runs_without_the_training_steps_freed_pages_resident(tmp_path):
+    """Under the tuned heap a freed training step stays resident until something trims it; the
+    trainer hands it back before it validates, so decoding's memory comes on top of what is
+    live, not of what the step left behind."""
+    recipe = os.path.join(os.path.dirname(__file__), "..", "recipes", "translation", "multi30k_de_en.toml")
+    out = subprocess.run([sys.executable, "-c", VALIDATION, recipe, str(tmp_path / "run")], env=clean_env(),
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    memory = json.loads(out.stdout.strip().splitlines()[-1])
+    assert memory["before"] - memory["validating"] > 400, memory

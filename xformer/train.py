@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from xformer.allocator import release
 from xformer.config.loading import load_run_recipe, recipe_at
 from xformer.config.schema import Recipe
 from xformer.errors import DivergedError, RunError
@@ -454,7 +455,11 @@ def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int
 def _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp) -> None:
     """Validate; write the step checkpoint (kept for averaging) and, on improvement, the best."""
     cfg = recipe.train
+    # the tuned heap keeps what it frees (xformer.allocator): hand the training step's free pages
+    # back before decoding and the decoder's after, so the two are never resident together
+    release()
     scores = task.validate(model, rt)
+    release()
     record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch + 1, **scores, "seconds": elapsed()}
     key = recipe.best_metric
     sign = -1.0 if key == "loss" else 1.0
