@@ -161,11 +161,119 @@ def run(
     return result
 
 
+@dataclass
+class TrainState:
+    """One part of a run as it trains: what a checkpoint saves and --resume restores (the model,
+    the optimizer, the runtime's RNG and loss scale, Progress with the wsd plan and the open log
+    line), and what the loop reads beside it. save() and restore() are the only ways in and out."""
+
+    recipe: Recipe  # what trains now: the recipe at this step
+    whole: Recipe  # the recipe with every recorded change, as recipe.toml holds it
+    out_dir: Path
+    cluster: Cluster
+    rt: Runtime
+    task: object  # the recipe's xformer.tasks.Task
+    model: torch.nn.Module
+    trained: torch.nn.Module  # the model, or its compiled forward
+    optimizer: torch.optim.Optimizer
+    stamp: dict  # in every checkpoint: the recipe and the tokenizer's digest
+    card: dict
+    emit: Event
+    started: float  # clock() when this part began
+    progress: Progress = field(default_factory=Progress)
+    seconds_before: float = 0.0  # from earlier parts of a resumed run
+    streaks: list[bool] = field(default_factory=list)  # whether each checkpoint fell inside non-finite steps
+    line: LogLine | None = None
+    plan: WsdPlan | None = None
+    others: OtherLoad | None = None  # the CPU other processes take while it trains, from its first step
+    memory: object = None  # PeakMemory or allocator_peak
+    signals: StopSignals | None = None
+    change_at: int | None = None  # a recorded change, replayed: this part ends at its step
+
+    @property
+    def last(self) -> Path:
+        return self.out_dir / "checkpoints" / "last.safetensors"
+
+    def elapsed(self) -> float:
+        return self.seconds_before + clock() - self.started
+
+    def fraction_done(self, batches: int) -> float:
+        cfg, progress, parts = self.recipe.train, self.progress, [0.0]
+        if cfg.max_steps:
+            parts.append(progress.step / cfg.max_steps)
+        if cfg.max_epochs:
+            parts.append((progress.epoch + progress.batch_in_epoch / max(1, batches)) / cfg.max_epochs)
+        if cfg.max_time:
+            parts.append(self.elapsed() / (cfg.max_time * 60))
+        return min(1.0, max(parts))
+
+    def save(self, stop_reason: str | None, now: float, branch: bool = False) -> None:
+        """The full state into last, or with `branch` into checkpoints/branch_step_N (kept)."""
+        if not self.cluster.writer:
+            return
+        progress = self.progress
+        progress.seconds = self.elapsed()
+        progress.others_cpu_seconds += self.others.take()
+        progress.peak_memory_mb = max(progress.peak_memory_mb, self.memory.current_peak_mb)
+        progress.log_line = self.line.state(now)
+        tensors, extra_meta = self.rt.state()
+        meta = {**self.stamp, "progress": asdict(progress), "stop_reason": stop_reason, **extra_meta}
+        if branch:
+            save_checkpoint(self.last.with_name(branch_name(progress.step)), self.model, meta=meta,
+                            optimizer=self.optimizer, extra_tensors=tensors)
+            return
+        # Inside a run of non-finite steps, `previous` keeps the last checkpoint from before it:
+        # the one --resume goes back to if the NaN guard stops the run (xformer.training.resume)
+        streak = float(self.line.skipped_run) > 0
+        rotate = not (streak and self.streaks[-1])
+        save_checkpoint(self.last, self.model, meta=meta, optimizer=self.optimizer, extra_tensors=tensors,
+                        previous=self.last.with_name("previous.safetensors") if rotate else None)
+        self.streaks.append(streak)
+
+    def restore(self, point, change) -> str | None:
+        """--resume: the model, optimizer, progress and RNG as `point` saved them (the recipe's
+        optimizer values, not the saved ones); the limit already reached, if any."""
+        cfg, tensors, meta = self.recipe.train, point.tensors, point.meta
+        if point.why:
+            self.emit("warning", {"message": f"{point.why}; resuming from {point.path} (step {point.step}) instead"})
+        if change is not None:
+            self.emit("setup", {"message": f"from step {point.step}: {change.describe()} (recorded in "
+                                           f"{self.out_dir / 'recipe.toml'})"})
+        load_model_weights(self.model, tensors, point.path)
+        fused = self.optimizer.param_groups[0]["fused"]  # this process's choice, not the saved one
+        load_optimizer_state(self.optimizer, tensors, meta)
+        for group in self.optimizer.param_groups:
+            group.update(betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused,
+                         weight_decay=cfg.weight_decay if group["weight_decay"] else 0.0)
+        saved = dict(meta["progress"])
+        saved.setdefault("tokens", saved.pop("target_tokens", 0))  # checkpoints before the rename
+        self.progress = Progress(**saved)
+        self.rt.load_state(tensors, meta)
+        done = _stop_reason(cfg, self.progress, self.progress.seconds, len(self.task.train_batches))
+        if done and finished_at(self.out_dir, self.progress.step):
+            raise RunError(f"{self.out_dir}: the run already stopped by train.{done}; raise that limit "
+                           f"(e.g. --set train.{done}=...) to continue it")
+        return done  # killed after its last checkpoint, before its average and train.json: finish those
+
+
 def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
          emit: Event, recipe_path: str | Path | None, measure_memory: bool, hold: contextlib.ExitStack,
          locked: bool = False) -> TrainResult:
     """One part of a run: all of it, or up to a recorded change (run() goes on from there with
     `locked`: the run folder's lock, in `hold`, is already this process's)."""
+    state, point, stop_reason = _open(recipe, out_dir, cluster, device=device, resume=resume, overwrite=overwrite,
+                                      emit=emit, recipe_path=recipe_path, hold=hold, locked=locked)
+    _begin(state, point, resume, measure_memory)
+    with state.signals, state.memory:
+        while stop_reason is None:
+            stop_reason = _epoch(state)
+    return _close(state, stop_reason)
+
+
+def _open(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
+          emit: Event, recipe_path: str | Path | None, hold: contextlib.ExitStack, locked: bool):
+    """Setup: the run folder checked and locked, the runtime, the task's data and tokenizer, the
+    model and optimizer, and the state a resume restores. Bad input fails before minutes of work."""
     started = clock()
     if cluster.writer and not locked:
         check_free(out_dir)  # another writer first: it explains any other refusal below
@@ -179,12 +287,7 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
     whole, recipe = recipe, recipe_at(recipe, point.step if point else 0)
     cfg = recipe.train
     rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
-    if recipe.model.arch != "lstm" and recipe.model.attention_backend == "flex":
-        if flex_unavailable():
-            raise RunError(f"model.attention_backend = 'flex': {flex_unavailable()}")
-        if rt.device.type == "cpu":
-            raise RunError("model.attention_backend = 'flex': torch's flex attention has no backward pass on a "
-                           "CPU; train with 'sdpa' (the same function) and evaluate with flex, or train on CUDA")
+    _check_backend(recipe, rt)
     if cluster.writer and not locked:  # one writer a run folder, until run() returns (rank 0 under torchrun)
         hold.enter_context(FolderLock(out_dir, "train"))
     task = make_task(recipe)
@@ -205,7 +308,8 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
                                     "training from step 0"})
     torch.manual_seed(cfg.seed)
 
-    if cluster.writer:  # the tokenizer is trained once, by process 0; the others then read it
+    # the tokenizer is trained once, by process 0; the others then read it
+    if cluster.writer:
         task.prepare(out_dir, emit)
     cluster.barrier()
     if not cluster.writer:
@@ -215,225 +319,220 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
         left = cfg.max_time * 60 - (clock() - started) if cfg.max_time else 0.0
         recipe, whole, fitted = fit_run(recipe, whole, task, rt, cluster, left, out_dir, clock, emit)
         card = run_card(whole, rt, recipe.data.fingerprints())
-    batches = task.train_batches
-    stamp = {"recipe": whole.to_dict(), "tokenizer": tokenizer_digest(out_dir)}  # in every checkpoint
-    model = use_fast_dropout(task.build_model(), cfg.fast_paths).to(rt.device)
-    optimizer = build_optimizer(model, cfg)
+
+    # the model, its optimizer, and its compiled forward where asked (tried on the first batch)
+    model = use_fast_dropout(task.build_model(), recipe.train.fast_paths).to(rt.device)
+    optimizer = build_optimizer(model, recipe.train)
     trained = model
-    if cfg.compile:  # tried on the first batch, forward and backward, before training starts
-        first = next(iter(batches.iter_epoch(0)))
+    if recipe.train.compile:
+        first = next(iter(task.train_batches.iter_epoch(0)))
         trained = compiled_forward(model, lambda forward: rt.backward(task.loss(forward, first, rt)), rt, emit)
-    progress, stop_reason = Progress(regularisation=fitted), None
-    last = out_dir / "checkpoints" / "last.safetensors"
-    if resumable:
-        tensors, meta = point.tensors, point.meta
-        if point.why:
-            emit("warning", {"message": f"{point.why}; resuming from {point.path} (step {point.step}) instead"})
-        if change is not None:
-            emit("setup", {"message": f"from step {point.step}: {change.describe()} (recorded in "
-                                      f"{out_dir / 'recipe.toml'})"})
-        load_model_weights(model, tensors, point.path)
-        fused = optimizer.param_groups[0]["fused"]  # this process's choice, not the saved one
-        load_optimizer_state(optimizer, tensors, meta)
-        for group in optimizer.param_groups:  # the recipe's values, not the saved ones
-            group.update(betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused,
-                         weight_decay=cfg.weight_decay if group["weight_decay"] else 0.0)
-        saved = dict(meta["progress"])
-        saved.setdefault("tokens", saved.pop("target_tokens", 0))  # checkpoints before the rename
-        progress = Progress(**saved)
-        rt.load_state(tensors, meta)
-        done = _stop_reason(cfg, progress, progress.seconds, len(batches))
-        if done and finished_at(out_dir, progress.step):
-            raise RunError(f"{out_dir}: the run already stopped by train.{done}; raise that limit "
-                           f"(e.g. --set train.{done}=...) to continue it")
-        stop_reason = done  # killed after its last checkpoint, before its average and train.json: finish those
-    if cluster.writer:
+    state = TrainState(recipe=recipe, whole=whole, out_dir=out_dir, cluster=cluster, rt=rt, task=task, model=model,
+                       trained=trained, optimizer=optimizer, card=card, emit=emit, started=started,
+                       stamp={"recipe": whole.to_dict(), "tokenizer": tokenizer_digest(out_dir)},
+                       progress=Progress(regularisation=fitted))
+    stop_reason = state.restore(point, change) if resumable else None
+    return state, point, stop_reason
+
+
+def _check_backend(recipe: Recipe, rt: Runtime) -> None:
+    if recipe.model.arch != "lstm" and recipe.model.attention_backend == "flex":
+        if flex_unavailable():
+            raise RunError(f"model.attention_backend = 'flex': {flex_unavailable()}")
+        if rt.device.type == "cpu":
+            raise RunError("model.attention_backend = 'flex': torch's flex attention has no backward pass on a "
+                           "CPU; train with 'sdpa' (the same function) and evaluate with flex, or train on CUDA")
+
+
+def _begin(state: TrainState, point, resume: bool, measure_memory: bool) -> None:
+    """What a (resumed) run writes before its first step, and the plan it trains to."""
+    out_dir, progress, whole, cfg = state.out_dir, state.progress, state.whole, state.recipe.train
+    if state.cluster.writer:
         if resume:
             truncate_metrics(out_dir / "metrics.jsonl", progress.step)
             stray = remove_temporaries(out_dir)
             if stray:
-                emit("setup", {"message": f"removed what a killed run left half-written: {', '.join(stray)}"})
+                state.emit("setup", {"message": f"removed what a killed run left half-written: {', '.join(stray)}"})
         aside = set_aside(point) if point else None
         if aside:
-            emit("setup", {"message": f"kept the non-finite checkpoint as {aside}"})
+            state.emit("setup", {"message": f"kept the non-finite checkpoint as {aside}"})
         saved = out_dir / "recipe.toml"  # as resolved, new limits and changes included
         if not saved.is_file() or saved.read_text(encoding="utf-8") != whole.to_toml():
             atomic_write_text(saved, whole.to_toml())
-    signals = StopSignals()
-    parameters = sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
-    emit("start", {"steps_per_epoch": len(batches) // cfg.accumulate_steps, "step": progress.step,
-                   "parameters": parameters, "run_dir": str(out_dir)})
-
-    seconds_before = progress.seconds  # from earlier sessions of a resumed run
-    change_at = whole.next_change(progress.step)  # a recorded change, replayed: this part ends there
+    batches = len(state.task.train_batches)
+    state.signals = StopSignals()
+    state.emit("start", {"steps_per_epoch": batches // cfg.accumulate_steps, "step": progress.step,
+                         "parameters": _parameters(state.model), "run_dir": str(out_dir)})
+    state.seconds_before = progress.seconds
+    state.change_at = whole.next_change(progress.step)
     taking_effect = [k.split(".")[1] for c in whole.changes if point and c.step == point.step for k in c.set]
     if PLANNED.intersection(taking_effect):  # a change (made now, or replayed) to what a wsd cooldown is planned from
         progress.decay_start, progress.decay_end, progress.decay_limit = 0, 0, ""
-    plan = WsdPlan(cfg, -(-len(batches) // cfg.accumulate_steps), progress, cluster, rt.device)
+    state.plan = WsdPlan(cfg, -(-batches // cfg.accumulate_steps), progress, state.cluster, state.rt.device)
+    state.line = LogLine(state.rt.device, progress.log_line)
+    state.streaks = [float(state.line.skipped_run) > 0]
+    state.others = OtherLoad()
+    state.model.train()
+    state.memory = PeakMemory(state.rt.device) if measure_memory else allocator_peak(state.rt.device)
 
-    def cooldown() -> tuple[int, int] | None:
-        window, began = plan.window(elapsed())
-        if began:
-            emit("setup", {"message": began})
-        return window
 
-    def elapsed() -> float:
-        return seconds_before + clock() - started
+def _parameters(model: torch.nn.Module) -> int:
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
 
-    def fraction_done() -> float:
-        parts = [0.0]
-        if cfg.max_steps:
-            parts.append(progress.step / cfg.max_steps)
-        if cfg.max_epochs:
-            parts.append((progress.epoch + progress.batch_in_epoch / max(1, len(batches))) / cfg.max_epochs)
-        if cfg.max_time:
-            parts.append(elapsed() / (cfg.max_time * 60))
-        return min(1.0, max(parts))
 
-    def checkpoint(stop_reason: str | None, now: float, branch: bool = False) -> None:
-        """The full state into last, or with `branch` into checkpoints/branch_step_N (kept)."""
-        if not cluster.writer:
-            return
-        progress.seconds = elapsed()
-        progress.others_cpu_seconds += others.take()
-        progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
-        progress.log_line = line.state(now)
-        meta = {**stamp, "progress": asdict(progress), "stop_reason": stop_reason}
-        tensors, extra_meta = rt.state()
-        # Inside a run of non-finite steps, `previous` keeps the last checkpoint from before it:
-        # the one --resume goes back to if the NaN guard stops the run (xformer.training.resume)
-        streak = float(line.skipped_run) > 0
-        if branch:
-            save_checkpoint(last.with_name(branch_name(progress.step)), model, meta={**meta, **extra_meta},
-                            optimizer=optimizer, extra_tensors=tensors)
-            return
-        rotate = not (streak and streaks[-1])
-        save_checkpoint(last, model, meta={**meta, **extra_meta}, optimizer=optimizer, extra_tensors=tensors,
-                        previous=last.with_name("previous.safetensors") if rotate else None)
-        streaks.append(streak)
+def _epoch(state: TrainState) -> str | None:
+    """Train the rest of the current epoch; the reason the run stops, if it does inside it."""
+    progress, cfg = state.progress, state.recipe.train
+    epoch = state.task.train_batches.iter_epoch(progress.epoch, skip=progress.batch_in_epoch)
+    while True:
+        t0 = time.perf_counter()
+        group = list(itertools.islice(epoch, cfg.accumulate_steps))
+        if not group:
+            break
+        t1 = time.perf_counter()
+        progress.step += 1
+        lr = learning_rate(progress.step, cfg, _cooldown(state))
+        stop_reason, skipped, step_loss, units, tokens = _step(state, group, lr)
+        t2 = time.perf_counter()
+        progress.data_seconds += t1 - t0
+        progress.compute_seconds += t2 - t1
+        state.plan.measure(state.elapsed())
+        _log(state, stop_reason, lr, t2, (step_loss, skipped, units, tokens))
+        boundary = time.perf_counter()
+        progress.loop_seconds += boundary - t0
+        stop_reason = _boundary(state, stop_reason, boundary)
+        if stop_reason:
+            return stop_reason
+    progress.epoch += 1
+    progress.batch_in_epoch = 0
+    return None
 
-    line = LogLine(rt.device, progress.log_line)
-    streaks = [float(line.skipped_run) > 0]  # whether each checkpoint was written inside a non-finite run
-    others = OtherLoad()
-    model.train()
-    memory = PeakMemory(rt.device) if measure_memory else allocator_peak(rt.device)
-    with signals, memory:
-        while stop_reason is None:
-            epoch_iter = batches.iter_epoch(progress.epoch, skip=progress.batch_in_epoch)
-            while True:
-                t0 = time.perf_counter()
-                group = list(itertools.islice(epoch_iter, cfg.accumulate_steps))
-                if not group:
-                    break
-                t1 = time.perf_counter()
-                progress.step += 1
-                lr = learning_rate(progress.step, cfg, cooldown())
-                for g in optimizer.param_groups:
-                    g["lr"] = lr
-                n_units = sum(task.units(b) for b in group)  # what the loss is averaged over, all processes
-                n_tokens = sum(task.tokens(b) for b in group)
-                step_loss = torch.zeros((), device=rt.device)
-                for batch in cluster.shard(group):
-                    loss = task.loss(trained, batch, rt)
-                    rt.backward(loss / n_units)
-                    step_loss = step_loss + loss.detach()
-                skipped = rt.step(optimizer, model, cfg.clip_norm, reduce=cluster.reduce_gradients)  # 1.0: not finite
-                optimizer.zero_grad(set_to_none=True)
-                progress.batch_in_epoch += len(group)
-                progress.tokens += n_tokens
-                # A signal is acted on at a step boundary, so the checkpoint resumes exactly; one
-                # that lands on a validation step lets that validation and its step checkpoint
-                # happen first, so the resumed run averages what an uninterrupted one would.
-                stop_reason, step_loss = cluster.agree(_stop_reason(cfg, progress, elapsed(), len(batches)),
-                                                       bool(signals.received), step_loss)
-                if stop_reason is None and progress.step == change_at:  # run() goes on with the recipe changed
-                    stop_reason = "change"
-                line.add(step_loss, skipped, n_units, n_tokens)
-                t2 = time.perf_counter()
-                progress.data_seconds += t1 - t0
-                progress.compute_seconds += t2 - t1
-                plan.measure(elapsed())
-                # the last steps of a run that ends here get their line too
-                logged = line.due(progress.step, cfg.log_every, cfg.log_seconds, t2) or stop_reason not in (
-                    None, "interrupted")
-                if logged:
-                    fields, skips = line.close(t2)
-                    record = {"kind": "train", "step": progress.step, "epoch": progress.epoch + 1,
-                              "loss": fields["loss"], "lr": lr, "tokens_per_s": fields["tokens_per_s"],
-                              "seconds": elapsed()}
-                    if skips:
-                        record["skipped"] = skips
-                        progress.skipped_steps += skips
-                    if cluster.writer:
-                        append_jsonl(out_dir / "metrics.jsonl", record)
-                    emit("step", {**record, "fraction": fraction_done()})
-                else:
-                    emit("tick", {"step": progress.step, "fraction": fraction_done()})
-                # a host sync: every step on the CPU (free there), at log lines elsewhere
-                if (logged or rt.device.type == "cpu") and int(line.skipped_run) > cfg.max_nonfinite_steps:
-                    checkpoint("nonfinite", time.perf_counter())  # the skipped steps left the weights as they were
-                    scale = f", loss scale {rt.scaler.get_scale():g}" if rt.scaler is not None else ""
-                    raise DivergedError(f"train.max_nonfinite_steps: the loss or gradients were not finite for "
-                                        f"{int(line.skipped_run)} steps in a row, up to step {progress.step}{scale}; "
-                                        "lower train.lr, raise train.warmup_steps, set train.clip_norm (e.g. 1.0) "
-                                        "or train in fp32, then --resume", step=progress.step)
-                boundary = time.perf_counter()
-                progress.loop_seconds += boundary - t0
-                interrupted = stop_reason in ("interrupted", "change")  # a checkpoint, no final validation
-                final = stop_reason is not None and not interrupted
-                if progress.step % cfg.valid_every == 0 or final:
-                    # a length curriculum's steps are checkpointed but not validated: scores at
-                    # max_len say nothing about a model still training on shorter examples
-                    if progress.step >= task.curriculum_steps or final:
-                        if stop_reason == "interrupted":
-                            emit("setup", {"message": f"finishing the validation of step {progress.step} first "
-                                                      "(a second interrupt stops at once)"})
-                        if cluster.writer:
-                            _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp)
-                        if not interrupted:  # patience, time: process 0's word
-                            reason = _stop_reason(cfg, progress, elapsed(), len(batches))
-                            stop_reason, _ = cluster.agree(reason, False, torch.zeros((), device=rt.device))
-                            if stop_reason == "patience" and cfg.schedule == "wsd":  # it ends the stable phase
-                                emit("setup", {"message": plan.cool_down_now()})
-                                stop_reason = None
-                    checkpoint(stop_reason, boundary)
-                    line.pause(time.perf_counter() - boundary)  # validation is not training time
-                    model.train()
-                elif interrupted:
-                    checkpoint(stop_reason, boundary)
-                if cfg.branch_every and progress.step % cfg.branch_every == 0:  # a point to branch from
-                    checkpoint(stop_reason, boundary, branch=True)
-                if stop_reason:
-                    break
-            if stop_reason is None:
-                progress.epoch += 1
-                progress.batch_in_epoch = 0
-    progress.peak_memory_mb = max(progress.peak_memory_mb, memory.current_peak_mb)
-    if stop_reason != "interrupted" and progress.step == change_at:  # a limit the change raised: go on
+
+def _cooldown(state: TrainState) -> tuple[int, int] | None:
+    window, began = state.plan.window(state.elapsed())
+    if began:
+        state.emit("setup", {"message": began})
+    return window
+
+
+def _step(state: TrainState, group: list, lr: float):
+    """One optimizer step over `group` (accumulate_steps batches, shared out among the processes):
+    the stop reason all processes agree on, whether it was skipped (not finite), the summed loss,
+    and the units and tokens it averaged over."""
+    progress, cfg, task, rt, cluster = state.progress, state.recipe.train, state.task, state.rt, state.cluster
+    for g in state.optimizer.param_groups:
+        g["lr"] = lr
+    n_units = sum(task.units(b) for b in group)  # what the loss is averaged over, all processes
+    n_tokens = sum(task.tokens(b) for b in group)
+    step_loss = torch.zeros((), device=rt.device)
+    for batch in cluster.shard(group):
+        loss = task.loss(state.trained, batch, rt)
+        rt.backward(loss / n_units)
+        step_loss = step_loss + loss.detach()
+    skipped = rt.step(state.optimizer, state.model, cfg.clip_norm, reduce=cluster.reduce_gradients)  # 1.0: not finite
+    state.optimizer.zero_grad(set_to_none=True)
+    progress.batch_in_epoch += len(group)
+    progress.tokens += n_tokens
+    # A signal is acted on at a step boundary, so the checkpoint resumes exactly; one that lands
+    # on a validation step lets that validation and its step checkpoint happen first, so the
+    # resumed run averages what an uninterrupted one would.
+    stop_reason, step_loss = cluster.agree(_stop_reason(cfg, progress, state.elapsed(), len(task.train_batches)),
+                                           bool(state.signals.received), step_loss)
+    if stop_reason is None and progress.step == state.change_at:  # run() goes on with the recipe changed
+        stop_reason = "change"
+    return stop_reason, skipped, step_loss, n_units, n_tokens
+
+
+def _log(state: TrainState, stop_reason: str | None, lr: float, now: float, step: tuple) -> None:
+    """The step into the open log line; the line written when due (by steps, by the clock, or at
+    the run's end); the NaN guard."""
+    progress, cfg, line = state.progress, state.recipe.train, state.line
+    line.add(*step)
+    logged = line.due(progress.step, cfg.log_every, cfg.log_seconds, now) or stop_reason not in (None, "interrupted")
+    batches = len(state.task.train_batches)
+    if logged:
+        fields, skips = line.close(now)
+        record = {"kind": "train", "step": progress.step, "epoch": progress.epoch + 1, "loss": fields["loss"],
+                  "lr": lr, "tokens_per_s": fields["tokens_per_s"], "seconds": state.elapsed()}
+        if skips:
+            record["skipped"] = skips
+            progress.skipped_steps += skips
+        if state.cluster.writer:
+            append_jsonl(state.out_dir / "metrics.jsonl", record)
+        state.emit("step", {**record, "fraction": state.fraction_done(batches)})
+    else:
+        state.emit("tick", {"step": progress.step, "fraction": state.fraction_done(batches)})
+    # a host sync: every step on the CPU (free there), at log lines elsewhere
+    if (logged or state.rt.device.type == "cpu") and int(line.skipped_run) > cfg.max_nonfinite_steps:
+        state.save("nonfinite", time.perf_counter())  # the skipped steps left the weights as they were
+        scale = f", loss scale {state.rt.scaler.get_scale():g}" if state.rt.scaler is not None else ""
+        raise DivergedError(f"train.max_nonfinite_steps: the loss or gradients were not finite for "
+                            f"{int(line.skipped_run)} steps in a row, up to step {progress.step}{scale}; "
+                            "lower train.lr, raise train.warmup_steps, set train.clip_norm (e.g. 1.0) "
+                            "or train in fp32, then --resume", step=progress.step)
+
+
+def _boundary(state: TrainState, stop_reason: str | None, boundary: float) -> str | None:
+    """After a step: validate and checkpoint where due (a validation step, the run's end), keep a
+    branch point, and return the stop reason (patience and time are process 0's word)."""
+    progress, cfg, task = state.progress, state.recipe.train, state.task
+    interrupted = stop_reason in ("interrupted", "change")  # a checkpoint, no final validation
+    final = stop_reason is not None and not interrupted
+    if progress.step % cfg.valid_every == 0 or final:
+        # a length curriculum's steps are checkpointed but not validated: scores at max_len say
+        # nothing about a model still training on shorter examples
+        if progress.step >= task.curriculum_steps or final:
+            if stop_reason == "interrupted":
+                state.emit("setup", {"message": f"finishing the validation of step {progress.step} first "
+                                                "(a second interrupt stops at once)"})
+            if state.cluster.writer:
+                _validate_and_save(state.model, state.recipe, task, state.rt, progress, state.out_dir, state.emit,
+                                   state.elapsed, state.stamp)
+            if not interrupted:
+                reason = _stop_reason(cfg, progress, state.elapsed(), len(task.train_batches))
+                stop_reason, _ = state.cluster.agree(reason, False, torch.zeros((), device=state.rt.device))
+                if stop_reason == "patience" and cfg.schedule == "wsd":  # it ends the stable phase
+                    state.emit("setup", {"message": state.plan.cool_down_now()})
+                    stop_reason = None
+        state.save(stop_reason, boundary)
+        state.line.pause(time.perf_counter() - boundary)  # validation is not training time
+        state.model.train()
+    elif interrupted:
+        state.save(stop_reason, boundary)
+    if cfg.branch_every and progress.step % cfg.branch_every == 0:  # a point to branch from
+        state.save(stop_reason, boundary, branch=True)
+    return stop_reason
+
+
+def _close(state: TrainState, stop_reason: str | None) -> TrainResult:
+    """The run's end: its averaged checkpoint, the TrainResult and train.json."""
+    progress, out_dir, cluster, batches = state.progress, state.out_dir, state.cluster, len(state.task.train_batches)
+    progress.peak_memory_mb = max(progress.peak_memory_mb, state.memory.current_peak_mb)
+    if stop_reason != "interrupted" and progress.step == state.change_at:  # a limit the change raised: go on
         stop_reason = "change"
     if progress.kept and cluster.writer:
         averaged = average_checkpoints([out_dir / "checkpoints" / k for k in progress.kept])
-        load_model_weights(model, averaged)
-        save_checkpoint(out_dir / "checkpoints" / "averaged.safetensors", model,
-                        meta={**stamp, "averaged": progress.kept})
+        load_model_weights(state.model, averaged)
+        save_checkpoint(out_dir / "checkpoints" / "averaged.safetensors", state.model,
+                        meta={**state.stamp, "averaged": progress.kept})
     result = TrainResult(
-        run_dir=str(out_dir), steps=progress.step,
-        epochs=progress.epoch + progress.batch_in_epoch / max(1, len(batches)), stop_reason=stop_reason,
-        best=progress.best, train_seconds=elapsed(), compute_seconds=progress.compute_seconds,
-        data_seconds=progress.data_seconds, loop_seconds=progress.loop_seconds,
-        tokens=progress.tokens, device=str(rt.device), precision=rt.precision, precision_reason=rt.reason,
-        parameters=parameters,
+        run_dir=str(out_dir), steps=progress.step, epochs=progress.epoch + progress.batch_in_epoch / max(1, batches),
+        stop_reason=stop_reason, best=progress.best, train_seconds=state.elapsed(),
+        compute_seconds=progress.compute_seconds, data_seconds=progress.data_seconds,
+        loop_seconds=progress.loop_seconds, tokens=progress.tokens, device=str(state.rt.device),
+        precision=state.rt.precision, precision_reason=state.rt.reason, parameters=_parameters(state.model),
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
-        card={**card, "wall_seconds": clock() - started, "processes": cluster.world},
-        stop_signal=signals.name, changes=whole.to_dict().get("changes", []), regularisation=progress.regularisation,
+        card={**state.card, "wall_seconds": clock() - state.started, "processes": cluster.world},
+        stop_signal=state.signals.name, changes=state.whole.to_dict().get("changes", []),
+        regularisation=progress.regularisation,
         # under torch.distributed the other processes are this run's own: not measured
         others_cpu=progress.others_cpu_seconds / progress.seconds
-        if others.available and progress.seconds >= cpuload.MIN_SECONDS and cluster.world == 1 else None,
+        if state.others.available and progress.seconds >= cpuload.MIN_SECONDS and cluster.world == 1 else None,
     )
     if cluster.writer:
         atomic_write_text(out_dir / "train.json",
                           finite_json({**asdict(result), "loop_overhead": result.loop_overhead}, indent=2))
-    emit("end", asdict(result))
+    state.emit("end", asdict(result))
     return result
 
 
