@@ -91,6 +91,42 @@ def test_every_relative_link_in_the_docs_reaches_a_file_and_heading():
     assert not broken, "\n".join(broken)
 
 
+SUMMARY_DATE = re.compile(r"\**\d{4}-\d{2}-\d{2}\**|not measured")  # a result's day, or none yet
+
+
+def summary_problems(text: str) -> list[str]:
+    """What keeps each `## ` benchmark of a results page from opening with a dated summary table:
+    a table whose first header cell is `date`, before the first `###` other than `### Summary`,
+    every data row dated (YYYY-MM-DD, possibly bold) or `not measured`."""
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)
+    problems = []
+    for section in re.split(r"^## ", text, flags=re.MULTILINE)[1:]:  # the text before is the preface
+        name, _, body = section.partition("\n")
+        opening = re.split(r"^### (?!Summary\s*$)", body, maxsplit=1, flags=re.MULTILINE)[0]
+        lines = [line.strip() for line in opening.splitlines()]
+        headers = [i for i, line in enumerate(lines) if re.match(r"\|\s*date\s*\|", line)]
+        if not headers:
+            problems.append(f"{name}: no summary table with a first column `date` before its first ###")
+        for i in headers:
+            rows = []
+            for line in lines[i + 2:]:  # past the header and its |---| line
+                if not line.startswith("|"):
+                    break
+                rows.append(line)
+            if not rows:
+                problems.append(f"{name}: the summary table has no rows")
+            for row in rows:
+                date = row.strip("|").split("|")[0].strip()
+                if not SUMMARY_DATE.fullmatch(date):
+                    problems.append(f"{name}: summary row not dated: {row[:80]}")
+    return problems
+
+
+def test_every_benchmark_in_results_opens_with_a_dated_summary_table():
+    problems = summary_problems((ROOT / "docs" / "results.md").read_text(encoding="utf-8"))
+    assert not problems, "docs/results.md:\n" + "\n".join(problems)
+
+
 def test_readme_names_no_path_beside_the_checkout():
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     assert "../shared" not in readme, "README.md: use a placeholder such as PATH/TO/multi30k"
