@@ -54,10 +54,9 @@ CASES = list(itertools.product(BANDED, [False, True], [4, 1], [None, "alibi", "r
 def test_banded_attention_equals_dense_attention_forward_and_backward(name, causal, kv, position, memory, backend):
     torch.manual_seed(0)
     pattern = make_pattern(name, window=WINDOW, global_tokens=GLOBAL, stride=STRIDE)
-    attention = MultiHeadAttention(16, 4, kv, memory_tokens=memory, backend=backend).double()
+    bias = positional_bias(position, causal) if position is not None else None
+    attention = MultiHeadAttention(16, 4, kv, memory_tokens=memory, backend=backend, score_bias=bias).double()
     attention.init_fairseq_()
-    if position is not None:
-        attention.score_bias = positional_bias(position, causal).double()
     t = 29
     pad = torch.zeros(2, t, dtype=torch.bool)
     pad[1, -6:] = True  # padded queries far from any real key see only themselves

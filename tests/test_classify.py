@@ -170,7 +170,7 @@ def test_the_last_layer_computing_only_the_pooled_position_equals_the_full_layer
         full = model.encoder(tokens, pad)[torch.arange(3), torch.tensor([2, 4, 0])]
     torch.testing.assert_close(shortcut, model.head(full), rtol=1e-12, atol=1e-12)
     seen = []  # while maps are captured, the last layer runs in full and hands over S x S maps
-    model.encoder.layers[-1].self_attn.on_probs = lambda probs: seen.append(probs.shape)
+    model.encoder.layers[-1].self_attn.probe(lambda probs: seen.append(probs.shape))
     assert not model._last_row_only()
     torch.testing.assert_close(model(tokens), shortcut, rtol=1e-12, atol=1e-12)
     assert seen == [(3, 4, 5 + (pooling == "cls"), 5 + (pooling == "cls"))]

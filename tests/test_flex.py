@@ -24,12 +24,10 @@ pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailabl
 def test_flex_equals_the_explicit_path(name, causal, kv, position, memory):
     torch.manual_seed(0)
     pattern = make_pattern(name, window=3, global_tokens=2, stride=3)
-    attention = MultiHeadAttention(16, 4, kv, memory_tokens=memory, backend="flex")
+    bias = {"alibi": lambda: POSITIONAL["alibi"](4), "relative": lambda: POSITIONAL["relative"](4, not causal, 16),
+            None: lambda: None}[position]()
+    attention = MultiHeadAttention(16, 4, kv, memory_tokens=memory, backend="flex", score_bias=bias)
     attention.init_fairseq_()
-    if position == "alibi":
-        attention.score_bias = POSITIONAL["alibi"](4)
-    elif position == "relative":
-        attention.score_bias = POSITIONAL["relative"](4, not causal, 16)
     t = 29
     pad = torch.zeros(2, t, dtype=torch.bool)
     pad[1, -5:] = True

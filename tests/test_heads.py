@@ -148,9 +148,9 @@ def test_gate_gradient_matches_finite_differences():
         for step in (eps, -eps):
             gate = torch.ones(sites[site].n_heads, dtype=torch.float64)
             gate[h] += step
-            sites[site].head_gate = gate
+            sites[site].gate(gate)
             values.append(subject.mean_loss())
-            sites[site].head_gate = None
+            sites[site].gate(None)
         numeric = (values[0] - values[1]) / (2 * eps)
         assert grads[site][h] == pytest.approx(abs(numeric), rel=1e-4)
 

@@ -497,3 +497,50 @@ def test_shared_qkv_needs_every_key_value_head_and_refuses_pruning():
     assert any("model.qkv: 'shared'" in p and "n_kv_heads" in p for p in tiny(qkv="shared", n_kv_heads=2).problems())
     pruned = tiny(qkv="shared", pruned_heads=["encoder.0.self_attn:1"])
     assert any("cannot lose heads" in p for p in pruned.problems())
+
+
+BUILDER_CASES = [*VARIANTS.values(), {"positional": "alibi"}, {"positional": "relative"},
+                 {"attention": "low_rank", "rank": 4, "max_positions": 16}, {"attention": "topk", "topk": 2},
+                 {"attention": "local_global", "window": 2}, {"memory_tokens": 2},
+                 {"downsample_every": 1, "downsample": "conv"},
+                 {"pruned_heads": ["encoder.0.self_attn:1", "decoder.1.cross_attn:2"]}]
+
+
+@pytest.mark.parametrize("arch", ["seq2seq", "classifier"])
+def test_no_attention_or_layer_attribute_is_set_after_its_constructor(arch, monkeypatch):
+    """The builders hand an attention its projections, positions, score bias, hook and key
+    projection, and a layer its modules, at construction: nothing is assigned to either after
+    its constructor returns except by a named transform (prune_heads here)."""
+    from xformer.model.attention import MultiHeadAttention
+    from xformer.model.transformer import TransformerLayer
+
+    late, transforming = [], []
+    for cls in (MultiHeadAttention, TransformerLayer):
+        def init(self, *args, _init=cls.__init__, **kwargs):
+            _init(self, *args, **kwargs)
+            self.__dict__["_built"] = True
+
+        def assign(self, name, value):
+            if self.__dict__.get("_built") and not transforming:
+                late.append(f"{type(self).__name__}.{name}")
+            nn.Module.__setattr__(self, name, value)
+
+        monkeypatch.setattr(cls, "__init__", init)
+        monkeypatch.setattr(cls, "__setattr__", assign)
+
+    def prune(self, *args, _prune=MultiHeadAttention.prune_heads, **kwargs):
+        transforming.append(True)
+        try:
+            return _prune(self, *args, **kwargs)
+        finally:
+            transforming.pop()
+
+    monkeypatch.setattr(MultiHeadAttention, "prune_heads", prune)
+    built = 0
+    for overrides in BUILDER_CASES:
+        if arch == "classifier":
+            overrides = {**overrides, "pruned_heads": [s for s in overrides.get("pruned_heads", [])
+                                                        if s.startswith("encoder")]}
+        model = build_model(tiny(arch=arch, **overrides), V, n_classes=3 if arch == "classifier" else None)
+        built += sum(isinstance(m, (MultiHeadAttention, TransformerLayer)) for m in model.modules())
+    assert built > 0 and late == []

@@ -263,17 +263,17 @@ def test_head_capture_sees_the_pattern_and_pruning_keeps_the_bias_heads():
     model = build_model(tiny(positional="alibi", **pattern_fields("sliding_window")), V).eval()
     site = model.encoder.layers[0].self_attn
     captured = []
-    site.on_probs = captured.append
+    site.probe(captured.append)
     src, tgt = torch.randint(4, V, (1, 10)), torch.randint(4, V, (1, 4))
     with torch.no_grad():
         before = model(src, tgt)
-    site.on_probs = None
+    site.probe(None)
     probs = captured[0][0, 0]  # (S, S) of head 0
     assert torch.equal(probs > 0, naive_allowed("sliding_window", 10, 10, window=3))
     with torch.no_grad():
-        site.head_gate = torch.tensor([1.0, 0.0, 1.0, 1.0])
+        site.gate(torch.tensor([1.0, 0.0, 1.0, 1.0]))
         gated = model(src, tgt)
-        site.head_gate = None
+        site.gate(None)
         site.prune_heads([1])
         assert site.bias_heads.tolist() == [0, 2, 3]  # the shared slopes of the heads that stay
         torch.testing.assert_close(model(src, tgt), gated)

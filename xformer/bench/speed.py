@@ -167,10 +167,9 @@ def _cannot(backend: str, device: torch.device) -> str | None:
 
 def _measure(config: AttentionBenchConfig, pattern, backend: str, n: int, device: torch.device) -> dict:
     torch.manual_seed(0)
-    attention = MultiHeadAttention(config.d_model, config.n_heads, backend=backend).to(device)
-    attention.score_hook = pattern.score_hook
-    if pattern.PROJECTS_KEYS:
-        attention.key_projection = LowRankProjection(config.rank, n).to(device)
+    projection = LowRankProjection(config.rank, n) if pattern.PROJECTS_KEYS else None
+    attention = MultiHeadAttention(config.d_model, config.n_heads, backend=backend, score_hook=pattern.score_hook,
+                                   key_projection=projection).to(device)
     x = torch.randn(config.batch, n, config.d_model, device=device, requires_grad=True)
     seconds, memory = [], []
     for _ in range(config.repeats + 1):  # the first is a warm-up

@@ -45,13 +45,12 @@ def masked(sites: dict, heads: list[Head], fill: dict | None = None, rule: GateR
         module = sites[site]
         device = module.q_proj.weight.device
         gate = keep_gate(module.n_heads, hs) if rule is None else rule(site, module.n_heads, hs)
-        module.head_gate = gate.to(device)
-        module.head_fill = None if fill is None else fill[site].to(device)
+        module.gate(gate.to(device), None if fill is None else fill[site].to(device))
     try:
         yield
     finally:
         for site in removed:
-            sites[site].head_gate = sites[site].head_fill = None
+            sites[site].gate(None)
 
 
 def keep_gate(n_heads: int, removed: list[int]) -> torch.Tensor:
@@ -145,7 +144,7 @@ def gate_gradients(subject: Subject, sites: dict) -> dict[str, list[float]]:
     totals = {site: torch.zeros(m.n_heads, dtype=torch.float64) for site, m in sites.items()}
     try:
         for site, module in sites.items():
-            module.head_gate = gates[site]
+            module.gate(gates[site])
         for batch in subject.batches:
             loss, n = subject.loss_sum(batch)
             grads = torch.autograd.grad(loss / max(n, 1), list(gates.values()))
@@ -153,7 +152,7 @@ def gate_gradients(subject: Subject, sites: dict) -> dict[str, list[float]]:
                 totals[site] += g.detach().abs().double().cpu()
     finally:
         for module in sites.values():
-            module.head_gate = None
+            module.gate(None)
         for p in model.parameters():
             p.requires_grad_(True)
         model.train(was_training)

@@ -1,6 +1,6 @@
 """Per-head attention statistics, streamed over batches, and the head roles they imply.
 
-Probabilities are captured from the explicit attention path (`MultiHeadAttention.on_probs`)
+Probabilities are captured from the explicit attention path (`MultiHeadAttention.probe`)
 one batch at a time, folded into running sums (SiteStats) and dropped: memory stays one batch
 of maps however many examples are inspected. Only the maps of a few chosen examples are kept,
 for plotting.
@@ -71,13 +71,13 @@ def capture(sites: dict):
 
     hooks = []
     for name, module in sites.items():
-        module.on_probs = keeper(name)
+        module.probe(keeper(name))
         hooks.append(module.out_proj.register_forward_pre_hook(output_keeper(name)))
     try:
         yield maps, outputs, memory
     finally:
         for module in sites.values():
-            module.on_probs = None
+            module.probe(None)
         for hook in hooks:
             hook.remove()
 

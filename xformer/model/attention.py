@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -30,6 +31,15 @@ from xformer.model.banded import Front
 from xformer.model.cache import KVCache
 from xformer.model.flex import flex_attention, runs_on
 from xformer.model.patterns import PatternMask, self_attention_mask
+
+
+class Projections(NamedTuple):
+    """An attention's q, k and v projections (model/qkv.py): q and k None where the scores are
+    content-free (the synthesizer's), k and v possibly q's own parameters (shared)."""
+
+    q: nn.Module | None
+    k: nn.Module | None
+    v: nn.Module
 
 
 def explicit_attention(
@@ -115,8 +125,18 @@ class MultiHeadAttention(nn.Module):
 
     def __init__(
         self, d_model: int, n_heads: int, n_kv_heads: int | None = None, dropout: float = 0.0,
-        backend: str = "sdpa", bias: bool = True, head_dropout: float = 0.0, memory_tokens: int = 0,
+        backend: str = "sdpa", bias: bool = True, head_dropout: float = 0.0, memory_tokens: int = 0, *,
+        projections: Projections | None = None, rotary: nn.Module | None = None,
+        score_bias: nn.Module | None = None, score_hook: Callable[[Tensor], Tensor] | None = None,
+        key_projection: nn.Module | None = None,
     ):
+        """`projections`: the q, k and v projections (model/qkv.py builds them; q and k None for
+        content-free scores); three separate nn.Linear when omitted. `rotary` rotates q and k (a
+        positional encoding that acts on "qk"); `score_bias` adds bias(q_pos, k_pos) (H, T, S) to
+        the scores (one that acts on "scores", or the synthesizer's table), shared across a stack;
+        `score_hook` rewrites the scores (the top-k pattern); `key_projection` projects keys and
+        values along the sequence (the low_rank pattern, model/lowrank.py), after which no key
+        mask applies. model/build.py passes the ones a recipe asks for."""
         super().__init__()
         self.n_heads = n_heads
         self.n_kv_heads = n_heads if n_kv_heads is None else n_kv_heads
@@ -128,33 +148,43 @@ class MultiHeadAttention(nn.Module):
         self.attn_drop = nn.Dropout(dropout)
         self.head_dropout = head_dropout
         self.backend = backend
-        self.q_proj = nn.Linear(d_model, n_heads * self.head_dim, bias=bias)
-        self.k_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
-        self.v_proj = nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias)
+        if projections is None:
+            projections = Projections(nn.Linear(d_model, n_heads * self.head_dim, bias=bias),
+                                      nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias),
+                                      nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias))
+        if (projections.q is None) != (projections.k is None):
+            raise ValueError("q and k projections come together: both modules, or both None (content-free scores)")
+        self.q_proj, self.k_proj, self.v_proj = projections.q, projections.k, projections.v
         self.out_proj = nn.Linear(n_heads * self.head_dim, d_model, bias=bias)
         # Memory tokens (x-transformers' num_mem_kv; memory-augmented attention, Sukhbaatar et al.
         # 2019, arXiv:1907.01470): learned key/value slots (K, M, Dh) every query may attend to,
         # ahead of the sequence's own keys; they have no position and never enter a KV cache.
         self.mem_k = nn.Parameter(torch.empty(self.n_kv_heads, memory_tokens, self.head_dim)) if memory_tokens else None
         self.mem_v = nn.Parameter(torch.empty(self.n_kv_heads, memory_tokens, self.head_dim)) if memory_tokens else None
-        # Set by build_model from the positional encoding (self-attention only): `rotary` rotates q
-        # and k (ACTS_ON "qk"); `score_bias` adds bias(q_pos, k_pos) (H, T, S) to the scores
-        # (ACTS_ON "scores"), shared across the stack, of which `bias_heads` are this module's
-        # heads (after pruning). `score_hook` comes from the attention pattern (top-k).
-        self.rotary: nn.Module | None = None
-        self.score_bias: nn.Module | None = None
-        self.bias_heads: Tensor | None = None
-        self.score_hook: Callable[[Tensor], Tensor] | None = None
-        # Set by build_model for the low_rank pattern: projects keys and values along the sequence
-        # (model/lowrank.py); the projected keys are mixtures, so no key mask applies after it.
-        self.key_projection: nn.Module | None = None
-        # Head inspection (xformer/heads): a (H,) multiplier on each head's output before out_proj
-        # (0 ablates a head; a leaf with requires_grad gives Michel et al.'s gate gradient), with
-        # head_fill (H, Dh) what a gated-off head outputs instead of 0 (its mean: mean-ablation),
-        # and a callback that receives the probabilities (B, H, T, S) of every forward.
+        # registered after out_proj, in this order, as checkpoints name them (initialisation walks
+        # the modules in registration order)
+        self.rotary = rotary
+        self.score_bias = score_bias
+        self.bias_heads: Tensor | None = None  # the score_bias heads that are this module's (after pruning)
+        self.score_hook = score_hook
+        self.key_projection = key_projection
+        # Head inspection (xformer/heads), through gate() and probe(): a (H,) multiplier on each
+        # head's output before out_proj (0 ablates a head; a leaf with requires_grad gives Michel et
+        # al.'s gate gradient), with head_fill (H, Dh) what a gated-off head outputs instead of 0
+        # (its mean: mean-ablation), and a callback that receives the probabilities (B, H, T, S).
         self.head_gate: Tensor | None = None
         self.head_fill: Tensor | None = None
         self.on_probs = None
+
+    def gate(self, gate: Tensor | None, fill: Tensor | None = None) -> None:
+        """Multiply each head's output by `gate` (H,), a gated-off head putting out `fill` (H, Dh)
+        instead of 0; None lifts the gate. Head inspection's one way to switch heads off."""
+        self.head_gate, self.head_fill = gate, fill
+
+    def probe(self, callback: Callable[[Tensor], None] | None) -> None:
+        """Call `callback` with the probabilities (B, H, T, S) of every forward (the explicit path
+        then runs); None stops. Head inspection's one way to read attention maps."""
+        self.on_probs = callback
 
     def forward(
         self, x: Tensor, memory: Tensor | None = None, mask: Tensor | None = None,

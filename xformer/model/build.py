@@ -11,21 +11,21 @@ from xformer.config.schema import ModelConfig
 from xformer.config.sites import heads_by_site
 from xformer.model.attention import MultiHeadAttention
 from xformer.model.downsample import DOWNSAMPLERS
+from xformer.model.feedforward import FFNS
 from xformer.model.lowrank import LowRankProjection
 from xformer.model.lstm import LSTMClassifier, match_hidden
 from xformer.model.norms import NORMS
 from xformer.model.patterns import make_pattern
 from xformer.model.positional import POSITIONAL
-from xformer.model.qkv import QKV
+from xformer.model.qkv import QKV, content_free_projections
 from xformer.model.synthesizer import SynthesizerScores
 from xformer.model.transformer import (
     Classifier,
     Decoder,
-    DecoderLayer,
     Embedder,
     Encoder,
-    EncoderLayer,
     Seq2Seq,
+    TransformerLayer,
 )
 
 
@@ -44,13 +44,6 @@ def build_model(
         return LSTMClassifier(vocab_size, cfg.d_model, hidden, cfg.lstm_layers, n_classes,
                               bidirectional=cfg.bidirectional, pooling=cfg.pooling, dropout=cfg.dropout,
                               pad_id=pad_id)
-    layer_args = dict(
-        n_kv_heads=cfg.n_kv_heads, dropout=cfg.dropout, attention_dropout=cfg.attention_dropout,
-        activation_dropout=cfg.activation_dropout, head_dropout=cfg.head_dropout,
-        ffn=cfg.ffn, norm=cfg.norm,
-        norm_eps=cfg.norm_eps, norm_position=cfg.norm_position, backend=cfg.attention_backend,
-        memory_tokens=cfg.memory_tokens, residual=cfg.residual,
-    )
 
     def final_norm():
         return NORMS[cfg.norm](cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else None
@@ -72,31 +65,16 @@ def build_model(
     def embedder(embedding, position: nn.Module) -> Embedder:
         return Embedder(embedding, position, cfg.max_positions, cfg.dropout, cfg.scale_embeddings)
 
-    def wire(stack):  # a positional encoding that acts inside attention reaches every self-attention
-        position, pattern = stack.embed.positional, stack.pattern
-        for layer in stack.layers:
-            if position.ACTS_ON == "qk":
-                layer.self_attn.rotary = position
-            elif position.ACTS_ON == "scores":
-                layer.self_attn.score_bias = position
-            layer.self_attn.score_hook = pattern.score_hook
-            if pattern.PROJECTS_KEYS:  # each layer its own E and F
-                layer.self_attn.key_projection = LowRankProjection(cfg.rank, cfg.max_positions)
-            if pattern.CONTENT_FREE:  # each layer its own table of scores, and no q.k to compute
-                layer.self_attn.score_bias = SynthesizerScores(cfg.n_heads, cfg.max_positions)
-                layer.self_attn.q_proj = layer.self_attn.k_proj = None
-        return stack
-
     pattern = make_pattern(cfg.attention, window=cfg.window, global_tokens=cfg.global_tokens, stride=cfg.stride,
                            topk=cfg.topk, rank=cfg.rank)
     src_embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
-    encoder_layers = [EncoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
+    src_position = positional(True)
+    encoder_layers = [transformer_layer(cfg, position=src_position, pattern=pattern)
                       for _ in range(cfg.n_encoder_layers)]
     every = cfg.downsample_every
     downsample = {i: DOWNSAMPLERS[cfg.downsample](cfg.d_model) for i in range(cfg.n_encoder_layers - 1)
                   if every and (i + 1) % every == 0}  # between layers: none after the last
-    encoder = wire(Encoder(embedder(src_embedding, positional(True)), encoder_layers, final_norm(), pattern,
-                           downsample))
+    encoder = Encoder(embedder(src_embedding, src_position), encoder_layers, final_norm(), pattern, downsample)
 
     if cfg.arch == "classifier":
         if n_classes is None:
@@ -110,24 +88,63 @@ def build_model(
             tgt_embedding = src_embedding
         else:
             tgt_embedding = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=pad_id)
-        decoder_layers = [DecoderLayer(cfg.d_model, cfg.n_heads, cfg.d_ff, **layer_args)
-                          for _ in range(cfg.n_decoder_layers)]
         # low_rank mixes keys along the sequence, which a causal decoder cannot do (a query would see
         # the future): in a seq2seq model it is the encoder's self-attention, the decoder's is full
         own = make_pattern("full") if pattern.PROJECTS_KEYS else pattern
-        decoder = wire(Decoder(embedder(tgt_embedding, positional(False)), decoder_layers, final_norm(), own))
+        tgt_position = positional(False)
+        decoder_layers = [transformer_layer(cfg, position=tgt_position, pattern=own, cross=True)
+                          for _ in range(cfg.n_decoder_layers)]
+        decoder = Decoder(embedder(tgt_embedding, tgt_position), decoder_layers, final_norm(), own)
         output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
         if cfg.tie_embeddings != "none":
-            output.weight = tgt_embedding.weight  # Press & Wolf 2017, arXiv:1608.05859
+            output.weight = tgt_embedding.weight  # weight tying, Press & Wolf 2017, arXiv:1608.05859
         model = Seq2Seq(encoder, decoder, output, pad_id)
     sites = attention_modules(model)
-    for attn in sites.values():
-        QKV[cfg.qkv](attn)
     if init:
         init_fairseq_(model, cfg.d_model)
     for site, heads in heads_by_site(cfg.pruned_heads).items():
         sites[site].prune_heads(heads)
     return model
+
+
+def transformer_layer(cfg: ModelConfig, *, position: nn.Module, pattern, cross: bool = False) -> TransformerLayer:
+    """One layer of a stack whose tokens carry `position` and whose self-attention follows
+    `pattern`, with a cross-attention (a decoder's layer) when `cross`; its modules built in the
+    order checkpoints name them."""
+    norm = NORMS[cfg.norm]
+    self_attn = self_attention(cfg, position, pattern)
+    self_attn_norm = norm(cfg.d_model, cfg.norm_eps)
+    cross_attn = attention(cfg, QKV[cfg.qkv]) if cross else None
+    cross_attn_norm = norm(cfg.d_model, cfg.norm_eps) if cross else None
+    return TransformerLayer(self_attn, FFNS[cfg.ffn](cfg.d_model, cfg.d_ff, cfg.activation_dropout),
+                            self_attn_norm=self_attn_norm, cross_attn=cross_attn, cross_attn_norm=cross_attn_norm,
+                            ffn_norm=norm(cfg.d_model, cfg.norm_eps), dropout=cfg.dropout,
+                            norm_position=cfg.norm_position, residual=cfg.residual)
+
+
+def self_attention(cfg: ModelConfig, position: nn.Module, pattern) -> MultiHeadAttention:
+    """A stack's self-attention: a positional encoding that acts inside attention (rotary q and k,
+    or a score bias shared by the stack), the pattern's score hook, and what the pattern brings
+    of its own: low_rank's key projection (each layer its own E and F), the synthesizer's table
+    of scores (each layer its own) in place of q.k."""
+    rotary = position if position.ACTS_ON == "qk" else None
+    score_bias = position if position.ACTS_ON == "scores" else None
+    key_projection = LowRankProjection(cfg.rank, cfg.max_positions) if pattern.PROJECTS_KEYS else None
+    projections = QKV[cfg.qkv]
+    if pattern.CONTENT_FREE:
+        score_bias = SynthesizerScores(cfg.n_heads, cfg.max_positions)
+        projections = content_free_projections
+    return attention(cfg, projections, memory_tokens=cfg.memory_tokens, rotary=rotary, score_bias=score_bias,
+                     score_hook=pattern.score_hook, key_projection=key_projection)
+
+
+def attention(cfg: ModelConfig, projections, *, memory_tokens: int = 0, **parts) -> MultiHeadAttention:
+    """A MultiHeadAttention of the recipe's heads, dropouts and backend, with q, k and v from
+    `projections` (a model/qkv.py builder) and `parts` (rotary, score_bias, score_hook,
+    key_projection) passed as they are."""
+    return MultiHeadAttention(cfg.d_model, cfg.n_heads, cfg.kv_heads, cfg.attention_dropout, cfg.attention_backend,
+                              head_dropout=cfg.head_dropout, memory_tokens=memory_tokens,
+                              projections=projections(cfg.d_model, cfg.n_heads, cfg.kv_heads), **parts)
 
 
 def attention_modules(model: nn.Module) -> dict[str, MultiHeadAttention]:

@@ -1,5 +1,5 @@
 """Position encodings, one entry per `model.positional` value. Each declares where it acts
-(ACTS_ON), and build_model wires it there:
+(ACTS_ON), and build_model hands it to every self-attention it acts in:
 
     "embeddings"  added to the token embeddings: forward((B, T, D), offset) -> (B, T, D)
                   (sinusoidal, learned)

@@ -21,47 +21,67 @@ from torch import Tensor, nn
 from xformer.model.attention import MultiHeadAttention
 from xformer.model.cache import KVCache
 from xformer.model.downsample import pooled_padding
-from xformer.model.feedforward import FFNS
 from xformer.model.masks import causal_mask, padding_mask
-from xformer.model.norms import NORMS
 from xformer.model.patterns import Full, PatternMask, self_attention_mask
 
 
-class EncoderLayer(nn.Module):
-    """Self-attention then feed-forward, each in a residual branch."""
+class TransformerLayer(nn.Module):
+    """Self-attention, cross-attention over the encoder output (a decoder's layer, when
+    `cross_attn` is given) and feed-forward, each in a residual branch with its norm before it
+    (Pre-LN) or after it (Post-LN). Built from its modules (model/build.py); the norms default to
+    identities."""
 
     def __init__(
-        self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
-        dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-        head_dropout: float = 0.0, ffn: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
-        norm_position: str = "post", backend: str = "sdpa", memory_tokens: int = 0, residual: bool = True,
+        self, self_attn: MultiHeadAttention, ffn: nn.Module, *, self_attn_norm: nn.Module | None = None,
+        cross_attn: MultiHeadAttention | None = None, cross_attn_norm: nn.Module | None = None,
+        ffn_norm: nn.Module | None = None, dropout: float = 0.0, norm_position: str = "post", residual: bool = True,
     ):
         super().__init__()
         self.norm_position = norm_position
         self.residual = residual  # False: each sublayer's output replaces its input (no skip connection)
-        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
-                                            head_dropout=head_dropout, memory_tokens=memory_tokens)
-        self.self_attn_norm = NORMS[norm](d_model, norm_eps)
-        self.ffn = FFNS[ffn](d_model, d_ff, activation_dropout)
-        self.ffn_norm = NORMS[norm](d_model, norm_eps)
+        # registered in this order, as checkpoints name them: self_attn, self_attn_norm, cross_attn,
+        # cross_attn_norm, ffn, ffn_norm
+        self.self_attn = self_attn
+        self.self_attn_norm = self_attn_norm if self_attn_norm is not None else nn.Identity()
+        self.cross_attn = cross_attn
+        self.cross_attn_norm = None if cross_attn is None else cross_attn_norm if cross_attn_norm is not None \
+            else nn.Identity()
+        self.ffn = ffn
+        self.ffn_norm = ffn_norm if ffn_norm is not None else nn.Identity()
         self.drop = nn.Dropout(dropout)
 
-    def forward(self, x: Tensor, mask: Tensor | None, rows: Tensor | None = None) -> Tensor:  # x: (B, S, D)
-        """(B, S, D); with `rows` (B,) only those positions' outputs, (B, 1, D): the queries are
-        the rows, keys and values every position (what a classifier pooling one position needs
+    def forward(
+        self, x: Tensor, mask: Tensor | None = None, *, is_causal: bool = False, memory: Tensor | None = None,
+        memory_mask: Tensor | None = None, cache: tuple[KVCache, KVCache] | None = None, rows: Tensor | None = None,
+    ) -> Tensor:
+        """x: (B, T, D); `mask` and `is_causal` the self-attention's; `memory` (B, S, D) the encoder
+        output the cross-attention reads, under `memory_mask`; `cache` a decoder layer's (self,
+        cross) KV caches. With `rows` (B,) only those positions' outputs, (B, 1, D): the queries
+        are the rows, keys and values every position (what a classifier pooling one position needs
         from its last layer). Not with rotary positions (their queries rotate by position)."""
+        self_cache, cross_cache = cache if cache is not None else (None, None)
+        on = self.residual
+
+        def self_attn(queries, keys=None):
+            return self.self_attn(queries, memory=keys, mask=mask, is_causal=is_causal, cache=self_cache)[0]
+
+        def cross_attn(h):
+            return self.cross_attn(h, memory, mask=memory_mask, cache=cross_cache)[0]
+
         if self.norm_position == "pre":
-            h = self.self_attn_norm(x)
+            h, keys = self.self_attn_norm(x), None
             if rows is not None:
-                x, h, memory = _rows(x, rows), _rows(h, rows), h
-            x = skip(x, self.drop(self.self_attn(h, memory=None if rows is None else memory, mask=mask)[0]),
-                     self.residual)
-            x = skip(x, self.drop(self.ffn(self.ffn_norm(x))), self.residual)
+                x, h, keys = _rows(x, rows), _rows(h, rows), h
+            x = skip(x, self.drop(self_attn(h, keys)), on)
+            if self.cross_attn is not None:
+                x = skip(x, self.drop(cross_attn(self.cross_attn_norm(x))), on)
+            x = skip(x, self.drop(self.ffn(self.ffn_norm(x))), on)
         else:  # post-LN, Vaswani et al. 2017
             queries = x if rows is None else _rows(x, rows)
-            attended = self.self_attn(queries, memory=None if rows is None else x, mask=mask)[0]
-            x = self.self_attn_norm(skip(queries, self.drop(attended), self.residual))
-            x = self.ffn_norm(skip(x, self.drop(self.ffn(x)), self.residual))
+            x = self.self_attn_norm(skip(queries, self.drop(self_attn(queries, None if rows is None else x)), on))
+            if self.cross_attn is not None:
+                x = self.cross_attn_norm(skip(x, self.drop(cross_attn(x)), on))
+            x = self.ffn_norm(skip(x, self.drop(self.ffn(x)), on))
         return x
 
 
@@ -74,52 +94,6 @@ def skip(x: Tensor, branch: Tensor, residual: bool) -> Tensor:
 def _rows(x: Tensor, rows: Tensor) -> Tensor:
     """x[b, rows[b]] for every b: (B, S, D) -> (B, 1, D)."""
     return x[torch.arange(x.size(0), device=x.device), rows].unsqueeze(1)
-
-
-class DecoderLayer(nn.Module):
-    """Causal self-attention, cross-attention over the encoder output, feed-forward."""
-
-    def __init__(
-        self, d_model: int, n_heads: int, d_ff: int, *, n_kv_heads: int | None = None,
-        dropout: float = 0.0, attention_dropout: float = 0.0, activation_dropout: float = 0.0,
-        head_dropout: float = 0.0, ffn: str = "relu", norm: str = "layernorm", norm_eps: float = 1e-5,
-        norm_position: str = "post", backend: str = "sdpa", memory_tokens: int = 0, residual: bool = True,
-    ):
-        super().__init__()
-        self.norm_position = norm_position
-        self.residual = residual  # False: each sublayer's output replaces its input (no skip connection)
-        self.self_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
-                                            head_dropout=head_dropout, memory_tokens=memory_tokens)
-        self.self_attn_norm = NORMS[norm](d_model, norm_eps)
-        self.cross_attn = MultiHeadAttention(d_model, n_heads, n_kv_heads, attention_dropout, backend,
-                                            head_dropout=head_dropout)
-        self.cross_attn_norm = NORMS[norm](d_model, norm_eps)
-        self.ffn = FFNS[ffn](d_model, d_ff, activation_dropout)
-        self.ffn_norm = NORMS[norm](d_model, norm_eps)
-        self.drop = nn.Dropout(dropout)
-
-    def forward(
-        self, x: Tensor, memory: Tensor, self_mask: Tensor | None, is_causal: bool,
-        memory_mask: Tensor | None, cache: tuple[KVCache, KVCache] | None = None,
-    ) -> Tensor:  # x: (B, T, D), memory: (B, S, D)
-        self_cache, cross_cache = cache if cache is not None else (None, None)
-
-        def self_attn(h):
-            return self.self_attn(h, mask=self_mask, is_causal=is_causal, cache=self_cache)[0]
-
-        def cross_attn(h):
-            return self.cross_attn(h, memory, mask=memory_mask, cache=cross_cache)[0]
-
-        on = self.residual
-        if self.norm_position == "pre":
-            x = skip(x, self.drop(self_attn(self.self_attn_norm(x))), on)
-            x = skip(x, self.drop(cross_attn(self.cross_attn_norm(x))), on)
-            x = skip(x, self.drop(self.ffn(self.ffn_norm(x))), on)
-        else:  # post-LN, Vaswani et al. 2017
-            x = self.self_attn_norm(skip(x, self.drop(self_attn(x)), on))
-            x = self.cross_attn_norm(skip(x, self.drop(cross_attn(x)), on))
-            x = self.ffn_norm(skip(x, self.drop(self.ffn(x)), on))
-        return x
 
 
 class Embedder(nn.Module):
@@ -150,11 +124,11 @@ class Embedder(nn.Module):
 
 
 class Encoder(nn.Module):
-    """Embedder, a stack of EncoderLayers, and a final norm for Pre-LN; `pattern` (patterns.py)
+    """Embedder, a stack of TransformerLayers, and a final norm for Pre-LN; `pattern` (patterns.py)
     says which keys each query sees; `downsample` maps a layer index to the module that halves
     the sequence after that layer (model/downsample.py, Funnel-Transformer)."""
 
-    def __init__(self, embed: Embedder, layers: list[EncoderLayer], final_norm: nn.Module | None = None,
+    def __init__(self, embed: Embedder, layers: list[TransformerLayer], final_norm: nn.Module | None = None,
                  pattern: Full | None = None, downsample: dict[int, nn.Module] | None = None):
         super().__init__()
         self.embed = embed
@@ -203,7 +177,7 @@ class Encoder(nn.Module):
             last = i == len(self.layers) - 1
             if last and rows is not None and self.pattern.QUERY_DEPENDENT:
                 mask = self.rows_mask(rows, pad)
-            x = layer(x, mask, rows if last else None)
+            x = layer(x, mask, rows=rows if last else None)
             if str(i) in self.downsample:
                 x, pad = self.downsample[str(i)](x, pad, keep)
                 mask = self._mask(pad, x)
@@ -249,10 +223,10 @@ class DecoderCache:
 
 
 class Decoder(nn.Module):
-    """Embedder, a stack of DecoderLayers, and a final norm for Pre-LN; `pattern` (patterns.py)
-    restricts the causal self-attention further."""
+    """Embedder, a stack of TransformerLayers with cross-attention, and a final norm for Pre-LN;
+    `pattern` (patterns.py) restricts the causal self-attention further."""
 
-    def __init__(self, embed: Embedder, layers: list[DecoderLayer], final_norm: nn.Module | None = None,
+    def __init__(self, embed: Embedder, layers: list[TransformerLayer], final_norm: nn.Module | None = None,
                  pattern: Full | None = None):
         super().__init__()
         self.embed = embed
@@ -288,7 +262,7 @@ class Decoder(nn.Module):
         memory_mask = padding_mask(memory_pad)
         for i, layer in enumerate(self.layers):
             layer_cache = None if cache is None else cache.layers[i]
-            x = layer(x, memory, self_mask, is_causal, memory_mask, layer_cache)
+            x = layer(x, self_mask, is_causal=is_causal, memory=memory, memory_mask=memory_mask, cache=layer_cache)
         return self.final_norm(x)
 
 
