@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -47,6 +48,19 @@ from xformer.training.losses import distillation_kl, rdrop_kl, sequence_loss
 from xformer.training.run_folder import eval_name, tokenizer_dir
 
 SETTINGS = "settings.json"  # the [data] values a tokenizer was trained with, next to it
+
+
+@dataclass
+class _Decoder:
+    """An evaluation's decoder (TranslationTask._decoder): `translate(sources, beam, lenpen,
+    tick, stats)` -> target ids."""
+
+    checkpoint: str  # which checkpoint it decodes with
+    quantize: str | None  # "int8" or None
+    mark: str  # in the output files' names: ".ct2" and/or ".int8", or ""
+    engine: str | None  # "ctranslate2", or None: xformer's own beam search
+    rt: Runtime | None  # xformer's runtime (None under CTranslate2)
+    translate: Callable
 
 
 @dataclass
@@ -244,15 +258,7 @@ class TranslationTask(Task):
     def evaluate(self, run_dir: Path, request: EvalRequest) -> TranslationEval:
         """Translate a split (default: the recipe's test split) or request.data and score it."""
         recipe, d = self.recipe, self.recipe.data
-        checkpoint = request.checkpoint or recipe.eval.checkpoint
-        quantize = request.quantize or recipe.eval.quantize or None  # --quantize, else the recipe's
-        if request.ctranslate2:  # the exported model decodes; the run supplies tokenizer and data
-            meta = check_export(request.ctranslate2, run_dir)  # RUN's own export, as written
-            checkpoint = meta["checkpoint"]
-            model = rt = None  # CTranslate2 decodes
-            self.load_vocabulary(Path(run_dir))
-        else:
-            model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=quantize)
+        decoder = self._decoder(Path(run_dir), request)
         spec = request.data if request.data is not None else d.dataset
         split = request.split or d.test_split
         config = d.dataset_config or None if request.data is None else None  # a Hub configuration names the corpus
@@ -269,37 +275,56 @@ class TranslationTask(Task):
                 request.on_progress(done, len(sources))
 
         started, others, stats = time.perf_counter(), OtherLoad(), DecodeStats()
-        if request.ctranslate2:
-            e = recipe.eval
-            pieces = [self.tokenizer.piece(i, "source") for i in range(self.tokenizer.vocab_size("source"))]
-            ids = ctranslate2_ids(request.ctranslate2, sources, pieces, beam=beam, lenpen=lenpen,
-                                  max_len_a=e.max_len_a, max_len_b=e.max_len_b,
-                                  compute_type="int8" if quantize else "float32")
-            tick(len(sources))
-        else:
-            ids = translate_ids(model, sources, recipe, rt, beam=beam, lenpen=lenpen, on_batch=tick, stats=stats)
-        hyps = self.tokenizer.decode(ids, "target")
+        hyps = self.tokenizer.decode(decoder.translate(sources, beam, lenpen, tick, stats), "target")
         seconds, others_cpu = time.perf_counter() - started, others.cores()
         scores = translation_scores(hyps, list(raw[d.target_lang]))
         name = eval_name(split, request.data, [raw[d.source_lang], raw[d.target_lang]])
         out_dir = Path(run_dir) / "eval"
-        engine = (".ct2" if request.ctranslate2 else "") + ("." + quantize if quantize else "")
-        stem = f"{name}.{checkpoint}{engine}.beam{beam}.lenpen{lenpen:g}"
+        stem = f"{name}.{decoder.checkpoint}{decoder.mark}.beam{beam}.lenpen{lenpen:g}"
         result = TranslationEval(
-            **scores, data=spec, split=split if request.data is None else None, checkpoint=checkpoint, beam=beam,
-            lenpen=lenpen, decode_seconds=seconds, sentences_per_s=len(hyps) / max(seconds, 1e-9),
-            hypotheses=str(out_dir / f"{stem}.hyp"), quantize=quantize, others_cpu=others_cpu,
-            kv_cache_mb=None if request.ctranslate2 else stats.cache_bytes / 2**20,
-            engine="ctranslate2" if request.ctranslate2 else None)
-        result.card, result.warnings = self.eval_card(run_dir, rt, split, request.data, checkpoint, others_cpu)
+            **scores, data=spec, split=split if request.data is None else None, checkpoint=decoder.checkpoint,
+            beam=beam, lenpen=lenpen, decode_seconds=seconds, sentences_per_s=len(hyps) / max(seconds, 1e-9),
+            hypotheses=str(out_dir / f"{stem}.hyp"), quantize=decoder.quantize, others_cpu=others_cpu,
+            kv_cache_mb=stats.cache_bytes / 2**20 if decoder.engine is None else None, engine=decoder.engine)
+        result.card, result.warnings = self.eval_card(run_dir, decoder.rt, split, request.data, decoder.checkpoint,
+                                                      others_cpu)
         result.card["wall_seconds"] = time.perf_counter() - started
         atomic_write_text(out_dir / f"{stem}.hyp", "".join(h + "\n" for h in hyps))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
-        as_trained = not request.ctranslate2 and quantize == (recipe.eval.quantize or None)
+        as_trained = decoder.engine is None and decoder.quantize == (recipe.eval.quantize or None)
         if request.data is None and split == d.test_split and as_trained:  # RUN/eval.json: the recipe's own
             # test split, decoded as the recipe says (eval.quantize included)
             atomic_write_text(Path(run_dir) / "eval.json", result.to_json())
         return result
+
+    def _decoder(self, run_dir: Path, request: EvalRequest) -> _Decoder:
+        """What decodes this evaluation, chosen once: the run's model (in int8 with --quantize or
+        the recipe's eval.quantize), or CTranslate2 from the run's own export (--ctranslate2; the
+        run supplies tokenizer and data, the export says which checkpoint it holds)."""
+        recipe = self.recipe
+        quantize = request.quantize or recipe.eval.quantize or None  # --quantize, else the recipe's
+        mark = "." + quantize if quantize else ""
+        if request.ctranslate2:
+            meta = check_export(request.ctranslate2, run_dir)  # RUN's own export, as written
+            self.load_vocabulary(run_dir)
+            pieces = [self.tokenizer.piece(i, "source") for i in range(self.tokenizer.vocab_size("source"))]
+            e = recipe.eval
+
+            def translate(sources, beam, lenpen, tick, stats):
+                ids = ctranslate2_ids(request.ctranslate2, sources, pieces, beam=beam, lenpen=lenpen,
+                                      max_len_a=e.max_len_a, max_len_b=e.max_len_b,
+                                      compute_type="int8" if quantize else "float32")
+                tick(len(sources))
+                return ids
+
+            return _Decoder(meta["checkpoint"], quantize, ".ct2" + mark, "ctranslate2", None, translate)
+        checkpoint = request.checkpoint or recipe.eval.checkpoint
+        model, rt = self.open_run(run_dir, checkpoint, request.device, quantize=quantize)
+
+        def translate(sources, beam, lenpen, tick, stats):
+            return translate_ids(model, sources, recipe, rt, beam=beam, lenpen=lenpen, on_batch=tick, stats=stats)
+
+        return _Decoder(checkpoint, quantize, mark, None, rt, translate)
 
     def predict(self, run_dir: Path, lines: list[str], *, checkpoint: str | None = None, beam: int | None = None,
                 lenpen: float | None = None, device: str = "auto", on_warning=None,
