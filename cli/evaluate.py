@@ -73,49 +73,29 @@ def evaluate(
         typer.echo(f"warning: {warning}", err=True)
     if as_json:
         typer.echo(result.to_json(indent=None))
-    elif isinstance(result, ClassificationEval):
-        show_classification(run, result)
     else:
-        show_translation(run, result)
+        show_eval(run, result)
 
 
-def show_translation(run: Path, result: TranslationEval) -> None:
-    rows = {"bleu": result.bleu, "bleu_lc": result.bleu_lc, "chrf": result.chrf, "n_sentences": result.n_sentences,
-            "checkpoint": result.checkpoint, "beam": result.beam, "lenpen": result.lenpen,
-            "sentences/s": result.sentences_per_s, **({"quantize": result.quantize} if result.quantize else {}),
-            **({"KV cache MB": result.kv_cache_mb} if result.kv_cache_mb is not None else {})}
-    stdout.print(score_table(f"{run}: {result.split or result.data}", rows))
-    stdout.print(f"[dim]{result.signature}[/dim]\n[dim]hypotheses: {result.hypotheses}[/dim]")
-    if result.paired:
-        p = result.paired
-        stdout.print(score_table(f"paired bootstrap against {p['baseline']} ({p['samples']} resamples)", {
-            "bleu": f"{p['bleu']:.2f} (mean {p['mean']:.2f} +- {p['interval']:.2f})",
-            "baseline bleu": f"{p['baseline_bleu']:.2f} (mean {p['baseline_mean']:.2f} "
-                             f"+- {p['baseline_interval']:.2f})",
-            "difference": f"{p['difference']:+.2f}", "p-value": f"{p['p_value']:.4f}"}))
-        stdout.print(f"[dim]{p['signature']}[/dim]")
-
-
-def show_classification(run: Path, result: ClassificationEval) -> None:
-    rows = {"accuracy": result.accuracy, "majority_accuracy": result.majority_accuracy, "loss": result.loss,
-            "n_examples": result.n_examples, "examples/s": result.examples_per_s, "checkpoint": result.checkpoint}
-    stdout.print(score_table(f"{run}: {result.task} {result.split}", rows))
-    if result.confusion is not None:
-        table = Table(title="confusion (rows: true, columns: predicted)", header_style="bold")
+def show_eval(run: Path, result: TranslationEval | ClassificationEval) -> None:
+    """The score's view (xformer.results.EvalView) as rich tables."""
+    view = result.view(str(run))
+    stdout.print(score_table(view.title, view.rows))
+    for title, columns, rows in view.grids:
+        table = Table(title=title, header_style="bold")
         table.add_column("")
-        for label in result.labels:
-            table.add_column(label, justify="right")
-        for label, row in zip(result.labels, result.confusion, strict=True):
-            table.add_row(label, *(str(c) for c in row))
+        for column in columns:
+            table.add_column(column, justify="right")
+        for label, *cells in rows:
+            table.add_row(label, *(str(c) for c in cells))
         stdout.print(table)
-    stdout.print(f"[dim]predictions: {result.predictions}[/dim]")
-    if result.paired:
-        p = result.paired
-        stdout.print(score_table(f"McNemar's exact test against {p['baseline']}", {
-            "accuracy": f"{p['accuracy']:.2f}", "baseline accuracy": f"{p['baseline_accuracy']:.2f}",
-            "difference": f"{p['difference']:+.2f} +- {p['difference_interval']:.2f} (95%)",
-            "right only here / only in the baseline": f"{p['wins']} / {p['losses']}",
-            "p-value": f"{p['p_value']:.4f}"}))
+    for note in view.notes:
+        stdout.print(f"[dim]{note}[/dim]")
+    if view.paired is not None:
+        title, rows, notes = view.paired
+        stdout.print(score_table(title, rows))
+        for note in notes:
+            stdout.print(f"[dim]{note}[/dim]")
 
 
 @user_errors

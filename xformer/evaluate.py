@@ -16,12 +16,10 @@ from pathlib import Path
 
 from xformer.config.loading import load_run_recipe, recipe_from_dict
 from xformer.config.schema import Recipe
-from xformer.data.corpus import load_split
 from xformer.errors import DataError, RunError
 from xformer.files import atomic_write_text
 from xformer.locks import describe, holder
 from xformer.results import ClassificationEval, TranslationEval
-from xformer.significance import mcnemar, paired_bleu, right_or_wrong
 from xformer.tasks import make_task
 from xformer.tasks.base import EvalRequest
 from xformer.tasks.generated import GeneratedData
@@ -104,68 +102,32 @@ def check_pairable(run_dir: Path, recipe: Recipe, baseline: Path, request: EvalR
         raise RunError(f"--baseline {baseline}: a {base_recipe.data.task} run; a {recipe.data.task} run compares "
                        f"with a {recipe.data.task} run")
     base_request = replace(request, checkpoint=None, quantize=None, ctranslate2=None)
-    own, other = paired_set(recipe, request), paired_set(base_recipe, base_request)
+    task = make_task(recipe)
+    own, other = task.paired_set(request), make_task(base_recipe).paired_set(base_request)
     if own != other:
-        translation = recipe.data.task == "translation"
-        hint = ("pass the same --data to compare them" if translation or not isinstance(recipe.data, GeneratedData)
-                else "generate both with the same [data] settings (seed, n_test, max_len, the task's own)")
-        raise DataError(f"--baseline {baseline}: its test set has other "
-                        f"{'references' if translation else 'examples'} than {run_dir}'s "
-                        f"({_first_difference(own, other, translation)}); {hint}")
+        raise DataError(f"--baseline {baseline}: its test set has other {task.SCORED} than {run_dir}'s "
+                        f"({task.first_difference(own, other)}); {task.pairing_hint()}")
     return Pairing(baseline, base_recipe, base_request, own)
 
 
 def compare_with(result: TranslationEval | ClassificationEval, pairing: Pairing) -> dict:
-    """Score the same test set with the baseline run and run the paired test; the comparison
-    is also written beside the run's outputs as <stem>.vs-<baseline folder>.json."""
-    baseline = pairing.baseline
-    base = make_task(pairing.recipe).evaluate(baseline, pairing.request)
-    if isinstance(result, ClassificationEval):
-        gold = [label for _, label in pairing.test_set]
-        paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint, "accuracy": result.accuracy,
-                  "baseline_accuracy": base.accuracy,
-                  **mcnemar(right_or_wrong(result.predictions, gold), right_or_wrong(base.predictions, gold))}
-        stem = Path(result.predictions).with_suffix("")
-    else:
-        lines = [Path(r.hypotheses).read_text(encoding="utf-8").splitlines() for r in (result, base)]
-        paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint, "baseline_beam": base.beam,
-                  **paired_bleu(lines[0], lines[1], pairing.test_set)}
-        stem = Path(result.hypotheses).with_suffix("")
+    """Score the same test set with the baseline run and run the task's paired test; the
+    comparison is also written beside the run's outputs as <stem>.vs-<baseline folder>.json."""
+    baseline, task = pairing.baseline, make_task(pairing.recipe)
+    base = task.evaluate(baseline, pairing.request)
+    mine, theirs = getattr(result, task.OUTPUTS), getattr(base, task.OUTPUTS)
+    paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint,
+              **base.as_baseline_of(result), **task.paired_test(mine, theirs, pairing.test_set)}
+    stem = Path(mine).with_suffix("")
     atomic_write_text(stem.with_name(f"{stem.name}.vs-{baseline.resolve().name}.json"), json.dumps(paired, indent=2))
     return paired
 
 
 def paired_set(recipe: Recipe, request: EvalRequest | None = None) -> list:
-    """What a paired test needs to be the same in two runs: the references (translation) or the
-    (text, gold label) examples (classification) of the split or file `request` scores (default:
-    the test split)."""
-    request = request or EvalRequest()
-    if recipe.data.task == "translation":
-        return _references(recipe, request)
-    return make_task(recipe).scored_set(request.split, request.data)
-
-
-def _first_difference(own: list, other: list, translation: bool) -> str:
-    unit = "sentence" if translation else "example"
-    if len(own) != len(other):
-        return f"{len(other)} against {len(own)} {unit}s"
-    i = next(i for i, (a, b) in enumerate(zip(own, other, strict=True)) if a != b)
-    if translation:
-        shorter = min(len(own[i]), len(other[i]))
-        at = next((k for k in range(shorter) if own[i][k] != other[i][k]), shorter)
-        start = max(at - 20, 0)
-        return f"{unit} {i + 1}: {other[i][start:at + 40]!r} against {own[i][start:at + 40]!r}"
-    if own[i][1] != other[i][1]:
-        return f"{unit} {i + 1}: label {other[i][1]!r} against {own[i][1]!r}"
-    return f"{unit} {i + 1}: the same label, another input"
-
-
-def _references(recipe, request: EvalRequest) -> list[str]:
-    d = recipe.data
-    spec = request.data if request.data is not None else d.dataset
-    config = d.dataset_config or None if request.data is None else None
-    rows = load_split(spec, request.split or d.test_split, [d.source_lang, d.target_lang], config, complete=True)
-    return list(rows[d.target_lang])
+    """What a paired test needs to be the same in two runs (the task's paired_set): the
+    references (translation) or the examples (classification) of the split or file `request`
+    scores (default: the test split)."""
+    return make_task(recipe).paired_set(request)
 
 
 def translate_lines(run_dir: str | Path, lines: list[str], *, checkpoint: str | None = None,

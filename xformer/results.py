@@ -24,6 +24,19 @@ class Result:
 
 
 @dataclass
+class EvalView:
+    """A score as a person reads it (the CLI renders it): a titled table of rows, grids (title,
+    column labels, rows led by their label), dim notes, and the paired test against a
+    baseline as (title, rows, notes)."""
+
+    title: str
+    rows: dict
+    notes: list[str] = field(default_factory=list)
+    grids: list[tuple[str, list[str], list[list]]] = field(default_factory=list)
+    paired: tuple[str, dict, list[str]] | None = None
+
+
+@dataclass
 class TranslationEval(Result):
     """A translation run scored on a split or a file (`xformer eval`)."""
 
@@ -49,6 +62,27 @@ class TranslationEval(Result):
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
     paired: dict | None = None  # with --baseline: the paired bootstrap against that run (xformer.significance)
 
+    def as_baseline_of(self, other: TranslationEval) -> dict:
+        """What a paired comparison records of this score as `other`'s baseline, beside the test."""
+        return {"baseline_beam": self.beam}
+
+    def view(self, run: str) -> EvalView:
+        """What `xformer eval` shows a person of this score."""
+        rows = {"bleu": self.bleu, "bleu_lc": self.bleu_lc, "chrf": self.chrf, "n_sentences": self.n_sentences,
+                "checkpoint": self.checkpoint, "beam": self.beam, "lenpen": self.lenpen,
+                "sentences/s": self.sentences_per_s, **({"quantize": self.quantize} if self.quantize else {}),
+                **({"KV cache MB": self.kv_cache_mb} if self.kv_cache_mb is not None else {})}
+        view = EvalView(f"{run}: {self.split or self.data}", rows, notes=[self.signature,
+                                                                           f"hypotheses: {self.hypotheses}"])
+        if self.paired:
+            p = self.paired
+            view.paired = (f"paired bootstrap against {p['baseline']} ({p['samples']} resamples)", {
+                "bleu": f"{p['bleu']:.2f} (mean {p['mean']:.2f} +- {p['interval']:.2f})",
+                "baseline bleu": f"{p['baseline_bleu']:.2f} (mean {p['baseline_mean']:.2f} "
+                                 f"+- {p['baseline_interval']:.2f})",
+                "difference": f"{p['difference']:+.2f}", "p-value": f"{p['p_value']:.4f}"}, [p["signature"]])
+        return view
+
 
 @dataclass
 class ClassificationEval(Result):
@@ -72,6 +106,27 @@ class ClassificationEval(Result):
     card: dict | None = None  # what reproducing the score needs (xformer.training.run_card)
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
     paired: dict | None = None  # with --baseline: McNemar's exact test against that run (xformer.significance)
+
+    def as_baseline_of(self, other: ClassificationEval) -> dict:
+        """What a paired comparison records of this score as `other`'s baseline, beside the test."""
+        return {"accuracy": other.accuracy, "baseline_accuracy": self.accuracy}
+
+    def view(self, run: str) -> EvalView:
+        """What `xformer eval` shows a person of this score."""
+        rows = {"accuracy": self.accuracy, "majority_accuracy": self.majority_accuracy, "loss": self.loss,
+                "n_examples": self.n_examples, "examples/s": self.examples_per_s, "checkpoint": self.checkpoint}
+        view = EvalView(f"{run}: {self.task} {self.split}", rows, notes=[f"predictions: {self.predictions}"])
+        if self.confusion is not None:
+            view.grids.append(("confusion (rows: true, columns: predicted)", self.labels,
+                               [[label, *row] for label, row in zip(self.labels, self.confusion, strict=True)]))
+        if self.paired:
+            p = self.paired
+            view.paired = (f"McNemar's exact test against {p['baseline']}", {
+                "accuracy": f"{p['accuracy']:.2f}", "baseline accuracy": f"{p['baseline_accuracy']:.2f}",
+                "difference": f"{p['difference']:+.2f} +- {p['difference_interval']:.2f} (95%)",
+                "right only here / only in the baseline": f"{p['wins']} / {p['losses']}",
+                "p-value": f"{p['p_value']:.4f}"}, [])
+        return view
 
 
 @dataclass

@@ -60,7 +60,7 @@ from xformer.evaluate import paired_set
 from xformer.events import Event, ignore
 from xformer.locks import FolderLock
 from xformer.results import ExperimentResult
-from xformer.significance import SIGNIFICANT, mcnemar, paired_bleu, right_or_wrong
+from xformer.significance import SIGNIFICANT
 from xformer.studies.claims import Check, Claim, claim_from_table
 from xformer.studies.experiment_report import SPEEDS, write_results
 from xformer.studies.experiment_scoring import (
@@ -74,6 +74,7 @@ from xformer.studies.experiment_scoring import (
 )
 from xformer.studies.grid import check_grid_dir, pin, stop_if_asked, train_to_end
 from xformer.studies.reuse import copy_run, finished_runs, reused_branch, same_run
+from xformer.tasks import make_task
 from xformer.training.progress import StopSignals
 from xformer.training.run_folder import run_state
 
@@ -418,6 +419,7 @@ def _branched(experiment: Experiment, out_dir: Path, cell: str, seed: int, budge
 
 def _compare(experiment: Experiment, rows: dict, scored: list, out_dir: Path) -> ExperimentResult:
     c = experiment.config
+    task = make_task(experiment.recipe(c.baseline, c.seeds[0]))  # every cell's: one test set (_one_test_set)
     cells = []
     for cell in experiment.cells:
         mine = [rows[(cell, s)] for s in c.seeds]
@@ -431,7 +433,7 @@ def _compare(experiment: Experiment, rows: dict, scored: list, out_dir: Path) ->
         if cell != c.baseline:
             base = [rows[(c.baseline, s)] for s in c.seeds]
             entry["difference"] = statistics.fmean(m["test"] - b["test"] for m, b in zip(mine, base, strict=True))
-            entry["paired"] = [_paired(m, b, scored) for m, b in zip(mine, base, strict=True)]
+            entry["paired"] = [_paired(task, m, b, scored) for m, b in zip(mine, base, strict=True)]
             entry["significant_seeds"] = sum(p["p_value"] < SIGNIFICANT for p in entry["paired"])
         cells.append(entry)
     metric = rows[(c.baseline, c.seeds[0])]["metric"]
@@ -446,16 +448,11 @@ def _mean(values: list) -> float | None:
     return statistics.fmean(values) if values and None not in values else None
 
 
-def _paired(mine: dict, base: dict, scored: list) -> dict:
+def _paired(task, mine: dict, base: dict, scored: list) -> dict:
     """The run against the baseline run of its seed on the test set every cell shares
-    (`scored`, evaluate.paired_set): sacreBLEU's paired bootstrap (translation) or McNemar's
-    exact test (classification)."""
-    if mine["metric"] == "bleu":
-        hyps = [Path(r["hypotheses"]).read_text(encoding="utf-8").splitlines() for r in (mine, base)]
-        p = paired_bleu(hyps[0], hyps[1], scored)
-    else:
-        gold = [label for _, label in scored]
-        p = mcnemar(*(right_or_wrong(r["predictions"], gold) for r in (mine, base)))
+    (`scored`, evaluate.paired_set): the task's paired test of their output files (sacreBLEU's
+    paired bootstrap for translation, McNemar's exact test for classification)."""
+    p = task.paired_test(mine[task.OUTPUTS], base[task.OUTPUTS], scored)
     return {"seed": mine["seed"], "difference": p["difference"], "p_value": p["p_value"]}
 
 

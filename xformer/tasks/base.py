@@ -42,6 +42,7 @@ from xformer.events import Event
 from xformer.generation.quantize import quantize_model
 from xformer.locks import describe, holder
 from xformer.model.build import build_model
+from xformer.significance import mcnemar, right_or_wrong
 from xformer.training.checkpoint import load_model_weights, read_checkpoint, read_checkpoint_meta, run_checkpoint
 from xformer.training.cpuload import busy
 from xformer.training.device import Runtime, resolve_runtime
@@ -195,6 +196,41 @@ class Task:
 
     def evaluate(self, run_dir: Path, request: EvalRequest):
         raise NotImplementedError
+
+    # ------------------------------------------------------------ paired comparisons of two runs
+    UNIT: ClassVar[str] = "example"  # what one item of the scored set is, in messages
+    SCORED: ClassVar[str] = "examples"  # what the scored set holds, in messages
+    OUTPUTS: ClassVar[str] = "predictions"  # the eval result's field (and record key) naming its output file
+
+    def scored_set(self, split: str | None, data: str | None) -> list:
+        """The items `evaluate` scores (default: the test split), in order, as a paired test
+        compares them: two runs of one task scored the same set when these are equal."""
+        raise NotImplementedError
+
+    def paired_set(self, request: EvalRequest | None = None) -> list:
+        """What a paired test needs to be the same in two runs: the set the split or file of
+        `request` holds (default: the test split)."""
+        request = request or EvalRequest()
+        return self.scored_set(request.split, request.data)
+
+    def paired_test(self, outputs: str | Path, baseline_outputs: str | Path, scored: list) -> dict:
+        """The paired test of two runs' output files (OUTPUTS) on the set both scored: McNemar's
+        exact test on which (input, gold label) pairs each got right (xformer.significance)."""
+        gold = [label for _, label in scored]
+        return mcnemar(right_or_wrong(outputs, gold), right_or_wrong(baseline_outputs, gold))
+
+    def first_difference(self, own: list, other: list) -> str:
+        """Where two scored sets first differ, for the message that refuses to pair them."""
+        if len(own) != len(other):
+            return f"{len(other)} against {len(own)} {self.UNIT}s"
+        i = next(i for i, (a, b) in enumerate(zip(own, other, strict=True)) if a != b)
+        if own[i][1] != other[i][1]:
+            return f"{self.UNIT} {i + 1}: label {other[i][1]!r} against {own[i][1]!r}"
+        return f"{self.UNIT} {i + 1}: the same label, another input"
+
+    def pairing_hint(self) -> str:
+        """How to score two runs on one set."""
+        return "pass the same --data to compare them"
 
     def predict(self, run_dir: Path, lines: list[str], **options) -> list[str]:
         raise RunError(f"{run_dir}: a {self.recipe.data.task} run; translate needs a translation run")

@@ -112,6 +112,9 @@ class GeneratedTask(ClassificationTask):
         examples, _ = self.examples(split, data)
         return [(tuple(examples.sequence(i)), self.labels[label]) for i, label in enumerate(examples.labels)]
 
+    def pairing_hint(self) -> str:
+        return "generate both with the same [data] settings (seed, n_test, max_len, the task's own)"
+
     def splits(self) -> dict[str, Examples]:
         d = self.recipe.data
         return generated_splits(d.task, d.n_train, d.n_valid, d.n_test, d.max_len, d.seed,

@@ -31,6 +31,7 @@ from xformer.generation.ctranslate2_engine import check_export, ctranslate2_ids
 from xformer.generation.decode import DecodeStats, translate_ids
 from xformer.metrics import translation_scores
 from xformer.results import TranslationEval
+from xformer.significance import paired_bleu
 from xformer.tasks.base import (
     CorpusData,
     EvalRequest,
@@ -296,6 +297,32 @@ class TranslationTask(Task):
             # test split, decoded as the recipe says (eval.quantize included)
             atomic_write_text(Path(run_dir) / "eval.json", result.to_json())
         return result
+
+    UNIT: ClassVar[str] = "sentence"
+    SCORED: ClassVar[str] = "references"
+    OUTPUTS: ClassVar[str] = "hypotheses"
+
+    def scored_set(self, split: str | None, data: str | None) -> list[str]:
+        """The references `evaluate` scores against (default: the test split), in order."""
+        d = self.recipe.data
+        spec = data if data is not None else d.dataset
+        config = d.dataset_config or None if data is None else None
+        rows = load_split(spec, split or d.test_split, [d.source_lang, d.target_lang], config, complete=True)
+        return list(rows[d.target_lang])
+
+    def paired_test(self, outputs: str | Path, baseline_outputs: str | Path, scored: list) -> dict:
+        """sacreBLEU's paired bootstrap of two runs' hypotheses against the references (xformer.significance)."""
+        lines = [Path(f).read_text(encoding="utf-8").splitlines() for f in (outputs, baseline_outputs)]
+        return paired_bleu(lines[0], lines[1], scored)
+
+    def first_difference(self, own: list, other: list) -> str:
+        if len(own) != len(other):
+            return f"{len(other)} against {len(own)} {self.UNIT}s"
+        i = next(i for i, (a, b) in enumerate(zip(own, other, strict=True)) if a != b)
+        shorter = min(len(own[i]), len(other[i]))
+        at = next((k for k in range(shorter) if own[i][k] != other[i][k]), shorter)
+        start = max(at - 20, 0)
+        return f"{self.UNIT} {i + 1}: {other[i][start:at + 40]!r} against {own[i][start:at + 40]!r}"
 
     def _decoder(self, run_dir: Path, request: EvalRequest) -> _Decoder:
         """What decodes this evaluation, chosen once: the run's model (in int8 with --quantize or
