@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 from rich.table import Table
 
-from xformer.evaluate import CannotExtrapolate, evaluate_run, translate_lines
+from xformer.evaluate import CannotExtrapolate, eval_view, evaluate_run, translate_lines
 from xformer.results import ClassificationEval, TranslationEval
 from xformer_cli.common import (
     CheckpointOption,
@@ -79,7 +79,7 @@ def evaluate(
 
 def show_eval(run: Path, result: TranslationEval | ClassificationEval) -> None:
     """The score's view (xformer.results.EvalView) as rich tables."""
-    view = result.view(str(run))
+    view = eval_view(run, result)
     stdout.print(score_table(view.title, view.rows))
     for title, columns, rows in view.grids:
         table = Table(title=title, header_style="bold")

@@ -148,15 +148,9 @@ def test_the_new_task_checks_trains_scores_and_is_inspected_through_the_cli(pari
     assert len(json.loads(heads.stdout)["heads"]) == 2
 
 
-# What still branches on the task outside xformer/tasks/, each named with its line's text; the
-# test below fails on any other, so a new caller asks the task instead.
-TASK_BRANCHES_LEFT = {
-    ("xformer/config/schema.py", 'if self.data.task != "translation":'),  # distill.teacher's rule
-    ("xformer/export.py", 'if recipe.data.task != "translation":'),  # export refuses other tasks
-    ("xformer/studies/experiment_scoring.py", 'if recipe.data.task == "translation":'),  # diverged runs, lengths
-    # the translation score's own view reads its paired test by key (the paired dict is not a dataclass yet)
-    ("xformer/results.py", '"baseline bleu": f"{p[\'baseline_bleu\']:.2f} (mean {p[\'baseline_mean\']:.2f} "'),
-}
+# What still branches on the task outside xformer/tasks/, each named with its line's text (none
+# now); the test below fails on any other, so a new caller asks the task instead.
+TASK_BRANCHES_LEFT: set = set()
 
 
 def test_no_caller_outside_the_tasks_branches_on_the_task():

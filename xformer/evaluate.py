@@ -19,7 +19,7 @@ from xformer.config.schema import Recipe
 from xformer.errors import DataError, RunError
 from xformer.files import atomic_write_text
 from xformer.locks import describe, holder
-from xformer.results import ClassificationEval, TranslationEval
+from xformer.results import ClassificationEval, EvalView, TranslationEval
 from xformer.tasks import make_task
 from xformer.tasks.base import EvalRequest
 from xformer.tasks.generated import GeneratedData
@@ -128,6 +128,11 @@ def paired_set(recipe: Recipe, request: EvalRequest | None = None) -> list:
     references (translation) or the examples (classification) of the split or file `request`
     scores (default: the test split)."""
     return make_task(recipe).paired_set(request)
+
+
+def eval_view(run_dir: str | Path, result: TranslationEval | ClassificationEval) -> EvalView:
+    """What `xformer eval` shows a person of `result`, a score of the run in `run_dir`: its task's view."""
+    return make_task(load_run_recipe(Path(run_dir))).view(result, str(run_dir))
 
 
 def translate_lines(run_dir: str | Path, lines: list[str], *, checkpoint: str | None = None,

@@ -71,7 +71,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", che
         raise RunError(f"out {out_dir}: exists and is not an empty directory; choose a new one")
     recipe = load_run_recipe(run_dir)
     problems = marian_problems(recipe)
-    if recipe.data.task != "translation":
+    if not make_task(recipe).EXPORTS:
         problems.insert(0, f"data.task: export writes translation models, found {recipe.data.task!r}")
     if problems:
         raise RunError([f"{run_dir}: cannot be a MarianMTModel: {p}" for p in problems])

@@ -66,22 +66,6 @@ class TranslationEval(Result):
         """What a paired comparison records of this score as `other`'s baseline, beside the test."""
         return {"baseline_beam": self.beam}
 
-    def view(self, run: str) -> EvalView:
-        """What `xformer eval` shows a person of this score."""
-        rows = {"bleu": self.bleu, "bleu_lc": self.bleu_lc, "chrf": self.chrf, "n_sentences": self.n_sentences,
-                "checkpoint": self.checkpoint, "beam": self.beam, "lenpen": self.lenpen,
-                "sentences/s": self.sentences_per_s, **({"quantize": self.quantize} if self.quantize else {}),
-                **({"KV cache MB": self.kv_cache_mb} if self.kv_cache_mb is not None else {})}
-        view = EvalView(f"{run}: {self.split or self.data}", rows, notes=[self.signature,
-                                                                           f"hypotheses: {self.hypotheses}"])
-        if self.paired:
-            p = self.paired
-            view.paired = (f"paired bootstrap against {p['baseline']} ({p['samples']} resamples)", {
-                "bleu": f"{p['bleu']:.2f} (mean {p['mean']:.2f} +- {p['interval']:.2f})",
-                "baseline bleu": f"{p['baseline_bleu']:.2f} (mean {p['baseline_mean']:.2f} "
-                                 f"+- {p['baseline_interval']:.2f})",
-                "difference": f"{p['difference']:+.2f}", "p-value": f"{p['p_value']:.4f}"}, [p["signature"]])
-        return view
 
 
 @dataclass
@@ -111,22 +95,6 @@ class ClassificationEval(Result):
         """What a paired comparison records of this score as `other`'s baseline, beside the test."""
         return {"accuracy": other.accuracy, "baseline_accuracy": self.accuracy}
 
-    def view(self, run: str) -> EvalView:
-        """What `xformer eval` shows a person of this score."""
-        rows = {"accuracy": self.accuracy, "majority_accuracy": self.majority_accuracy, "loss": self.loss,
-                "n_examples": self.n_examples, "examples/s": self.examples_per_s, "checkpoint": self.checkpoint}
-        view = EvalView(f"{run}: {self.task} {self.split}", rows, notes=[f"predictions: {self.predictions}"])
-        if self.confusion is not None:
-            view.grids.append(("confusion (rows: true, columns: predicted)", self.labels,
-                               [[label, *row] for label, row in zip(self.labels, self.confusion, strict=True)]))
-        if self.paired:
-            p = self.paired
-            view.paired = (f"McNemar's exact test against {p['baseline']}", {
-                "accuracy": f"{p['accuracy']:.2f}", "baseline accuracy": f"{p['baseline_accuracy']:.2f}",
-                "difference": f"{p['difference']:+.2f} +- {p['difference_interval']:.2f} (95%)",
-                "right only here / only in the baseline": f"{p['wins']} / {p['losses']}",
-                "p-value": f"{p['p_value']:.4f}"}, [])
-        return view
 
 
 @dataclass

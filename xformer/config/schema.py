@@ -222,6 +222,7 @@ class DataConfig:
     # first is what "auto" means), and the model.arch values that can learn it
     METRICS: ClassVar[tuple[str, ...]] = ()
     ARCHS: ClassVar[tuple[str, ...]] = ()
+    DISTILLS: ClassVar[bool] = False  # whether a [distill] teacher can teach this task's models
 
     task: str = "translation"  # a key of xformer.tasks.TASKS
     max_len: int = 256
@@ -447,7 +448,7 @@ class Recipe:
         if self.eval.checkpoint == "averaged" and self.train.average_last == 0:
             out.append("eval.checkpoint: 'averaged' needs train.average_last > 0, found 0")
         if self.distill.teacher:
-            if self.data.task != "translation":
+            if not self.data.DISTILLS:
                 out.append(f"distill.teacher: distillation is for translation, found data.task = {self.data.task!r}")
             if self.distill.kind == "word" and self.train.rdrop_alpha > 0:
                 out.append("distill.kind: 'word' does not combine with train.rdrop_alpha > 0; set one of them")

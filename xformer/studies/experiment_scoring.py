@@ -9,7 +9,6 @@ import json
 import statistics
 from pathlib import Path
 
-from xformer.data.corpus import load_split
 from xformer.evaluate import CannotExtrapolate, evaluate_run
 from xformer.files import atomic_write_text
 from xformer.heads.roles import role_counts
@@ -122,16 +121,9 @@ def score_diverged(experiment, run_dir: Path, cell: str, seed: int, step: int) -
     """A run that diverged translates (classifies) nothing: it is scored as an empty output on
     the test split (BLEU 0; every example wrong), which still pairs with the baseline's run."""
     recipe = experiment.recipe(cell, seed)
-    out = run_dir / "eval"
-    if recipe.data.task == "translation":
-        d = recipe.data
-        n = len(load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None))
-        metric, kind, path = "bleu", "hypotheses", out / "diverged.hyp"
-    else:
-        task = make_task(recipe)
-        task.load_vocabulary(run_dir)
-        n = len(task.examples(None, None)[0])
-        metric, kind, path = "accuracy", "predictions", out / "diverged.pred"
+    task = make_task(recipe)
+    n = len(task.test_input_lengths(run_dir))
+    metric, kind, path = task.METRIC, task.OUTPUTS, run_dir / "eval" / f"diverged{task.OUTPUT_SUFFIX}"
     atomic_write_text(path, "\n" * n)
     progress = diverged_progress(run_dir) or {}  # the steps it took until it stopped
     loop, others = progress.get("loop_seconds"), progress.get("others_cpu_seconds")
@@ -165,12 +157,5 @@ def input_lengths(experiment, baseline_run: Path) -> dict:
     compare with (a rank, a window)."""
     c = experiment.config
     recipe = experiment.recipe(c.baseline, c.seeds[0])
-    task = make_task(recipe)
-    task.load_vocabulary(baseline_run)
-    if recipe.data.task == "translation":
-        d = recipe.data
-        rows = load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None)
-        lengths = [len(ids) for ids in task.tokenizer.encode(list(rows[d.source_lang]), "source")]
-    else:
-        lengths = [int(n) for n in task.examples(None, None)[0].lens]
+    lengths = make_task(recipe).test_input_lengths(baseline_run)
     return {"median_source": float(statistics.median(lengths)), "max_source": max(lengths)}

@@ -198,9 +198,17 @@ class Task:
         raise NotImplementedError
 
     # ------------------------------------------------------------ paired comparisons of two runs
+    EXPORTS: ClassVar[bool] = False  # whether `xformer export` can write its runs as a MarianMTModel
     UNIT: ClassVar[str] = "example"  # what one item of the scored set is, in messages
     SCORED: ClassVar[str] = "examples"  # what the scored set holds, in messages
     OUTPUTS: ClassVar[str] = "predictions"  # the eval result's field (and record key) naming its output file
+    OUTPUT_SUFFIX: ClassVar[str] = ".pred"  # that file's suffix: one predicted label a line
+    METRIC: ClassVar[str] = "accuracy"  # the test score's key in the eval result
+
+    def test_input_lengths(self, run_dir: Path) -> list[int]:
+        """The length in tokens of every input of the test split, with `run_dir`'s vocabulary."""
+        self.load_vocabulary(run_dir)
+        return [int(n) for n in self.examples(None, None)[0].lens]
 
     def scored_set(self, split: str | None, data: str | None) -> list:
         """The items `evaluate` scores (default: the test split), in order, as a paired test
@@ -227,6 +235,10 @@ class Task:
         if own[i][1] != other[i][1]:
             return f"{self.UNIT} {i + 1}: label {other[i][1]!r} against {own[i][1]!r}"
         return f"{self.UNIT} {i + 1}: the same label, another input"
+
+    def view(self, result, run: str):
+        """What `xformer eval` shows a person of `result`, a score of this task (xformer.results.EvalView)."""
+        raise NotImplementedError
 
     def pairing_hint(self) -> str:
         """How to score two runs on one set."""

@@ -28,7 +28,7 @@ from xformer.errors import DataError, RunError
 from xformer.events import Event
 from xformer.files import atomic_write_text
 from xformer.metrics import accuracy, confusion_matrix
-from xformer.results import ClassificationEval
+from xformer.results import ClassificationEval, EvalView
 from xformer.tasks.base import CorpusData, EvalRequest, SiteTokens, Subject, Task, load_training_splits, mark_pad
 from xformer.training.cpuload import OtherLoad
 from xformer.training.device import Runtime
@@ -145,6 +145,23 @@ class ClassificationTask(Task):
         config = d.dataset_config or None if data is None else None
         return load_split(spec, split or d.test_split, [d.text_field, d.label_field], config, complete=True,
                           numeric=(d.label_field,))
+
+    def view(self, result: ClassificationEval, run: str) -> EvalView:
+        """What `xformer eval` shows a person of a score of this task."""
+        rows = {"accuracy": result.accuracy, "majority_accuracy": result.majority_accuracy, "loss": result.loss,
+                "n_examples": result.n_examples, "examples/s": result.examples_per_s, "checkpoint": result.checkpoint}
+        view = EvalView(f"{run}: {result.task} {result.split}", rows, notes=[f"predictions: {result.predictions}"])
+        if result.confusion is not None:
+            view.grids.append(("confusion (rows: true, columns: predicted)", result.labels,
+                               [[label, *row] for label, row in zip(result.labels, result.confusion, strict=True)]))
+        if result.paired:
+            p = result.paired
+            view.paired = (f"McNemar's exact test against {p['baseline']}", {
+                "accuracy": f"{p['accuracy']:.2f}", "baseline accuracy": f"{p['baseline_accuracy']:.2f}",
+                "difference": f"{p['difference']:+.2f} +- {p['difference_interval']:.2f} (95%)",
+                "right only here / only in the baseline": f"{p['wins']} / {p['losses']}",
+                "p-value": f"{p['p_value']:.4f}"}, [])
+        return view
 
     def scored_set(self, split: str | None, data: str | None) -> list[tuple]:
         """The examples `evaluate` scores (default: the test split) as (text, gold label) pairs,

@@ -30,7 +30,7 @@ from xformer.files import atomic_write_text
 from xformer.generation.ctranslate2_engine import check_export, ctranslate2_ids
 from xformer.generation.decode import DecodeStats, translate_ids
 from xformer.metrics import translation_scores
-from xformer.results import TranslationEval
+from xformer.results import EvalView, TranslationEval
 from xformer.significance import paired_bleu
 from xformer.tasks.base import (
     CorpusData,
@@ -71,6 +71,7 @@ class TranslationData(CorpusData):
 
     METRICS: ClassVar[tuple[str, ...]] = ("bleu",)
     ARCHS: ClassVar[tuple[str, ...]] = ("seq2seq",)
+    DISTILLS: ClassVar[bool] = True
 
     source_lang: str = "de"
     target_lang: str = "en"
@@ -298,9 +299,19 @@ class TranslationTask(Task):
             atomic_write_text(Path(run_dir) / "eval.json", result.to_json())
         return result
 
+    EXPORTS: ClassVar[bool] = True
     UNIT: ClassVar[str] = "sentence"
     SCORED: ClassVar[str] = "references"
     OUTPUTS: ClassVar[str] = "hypotheses"
+    OUTPUT_SUFFIX: ClassVar[str] = ".hyp"
+    METRIC: ClassVar[str] = "bleu"
+
+    def test_input_lengths(self, run_dir: Path) -> list[int]:
+        """The length in source pieces of every test source, with `run_dir`'s tokenizer."""
+        d = self.recipe.data
+        self.load_vocabulary(run_dir)
+        rows = load_split(d.dataset, d.test_split, [d.source_lang, d.target_lang], d.dataset_config or None)
+        return [len(ids) for ids in self.tokenizer.encode(list(rows[d.source_lang]), "source")]
 
     def scored_set(self, split: str | None, data: str | None) -> list[str]:
         """The references `evaluate` scores against (default: the test split), in order."""
@@ -323,6 +334,23 @@ class TranslationTask(Task):
         at = next((k for k in range(shorter) if own[i][k] != other[i][k]), shorter)
         start = max(at - 20, 0)
         return f"{self.UNIT} {i + 1}: {other[i][start:at + 40]!r} against {own[i][start:at + 40]!r}"
+
+    def view(self, result: TranslationEval, run: str) -> EvalView:
+        """What `xformer eval` shows a person of a score of this task."""
+        rows = {"bleu": result.bleu, "bleu_lc": result.bleu_lc, "chrf": result.chrf, "n_sentences": result.n_sentences,
+                "checkpoint": result.checkpoint, "beam": result.beam, "lenpen": result.lenpen,
+                "sentences/s": result.sentences_per_s, **({"quantize": result.quantize} if result.quantize else {}),
+                **({"KV cache MB": result.kv_cache_mb} if result.kv_cache_mb is not None else {})}
+        view = EvalView(f"{run}: {result.split or result.data}", rows, notes=[result.signature,
+                                                                           f"hypotheses: {result.hypotheses}"])
+        if result.paired:
+            p = result.paired
+            view.paired = (f"paired bootstrap against {p['baseline']} ({p['samples']} resamples)", {
+                "bleu": f"{p['bleu']:.2f} (mean {p['mean']:.2f} +- {p['interval']:.2f})",
+                "baseline bleu": f"{p['baseline_bleu']:.2f} (mean {p['baseline_mean']:.2f} "
+                                 f"+- {p['baseline_interval']:.2f})",
+                "difference": f"{p['difference']:+.2f}", "p-value": f"{p['p_value']:.4f}"}, [p["signature"]])
+        return view
 
     def _decoder(self, run_dir: Path, request: EvalRequest) -> _Decoder:
         """What decodes this evaluation, chosen once: the run's model (in int8 with --quantize or
