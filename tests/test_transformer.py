@@ -450,6 +450,7 @@ def test_too_long_sequence_names_max_positions():
 @pytest.mark.parametrize("literal,table", [
     (config.Positional, POSITIONAL), (config.Norm, NORMS), (config.FFN, FFNS),
     (config.AttentionPattern, PATTERNS), (config.Downsample, DOWNSAMPLERS), (config.QKV, QKV),
+    (config.AttentionPattern, config.PATTERN_RULES),
 ])
 def test_every_variant_word_has_an_implementation(literal, table):
     assert set(typing.get_args(literal)) == set(table)

@@ -56,6 +56,11 @@ TRANSFORMER_POOLING = ("cls", "mean", "last")
 LSTM_POOLING = ("last", "mean", "max")
 
 
+# model.attention value -> its rules on a [model] table: the patterns fill it as they are imported
+# (model/patterns.py, beside their classes; `import xformer` imports them first)
+PATTERN_RULES: dict[str, Any] = {}
+
+
 @dataclass
 class ModelConfig:
     """[model]: the architecture. Defaults are Vaswani et al. 2017 base (arXiv:1706.03762)."""
@@ -176,30 +181,12 @@ class ModelConfig:
             if self.pruned_heads:
                 out.append("model.qkv: 'shared' projections cannot lose heads (a pruned query head would take "
                            "its key and value rows); remove model.pruned_heads")
-        if self.attention in ("sliding_window", "local_global"):
-            out += positive(self, "window")
-        if self.attention == "local_global":
-            out += non_negative(self, "global_tokens")
-        if self.attention == "strided":
-            out += positive(self, "stride")
-        if self.attention == "topk":
-            out += positive(self, "topk")
+        # the attention pattern's own rules, beside its class (model/patterns.py)
+        out += PATTERN_RULES[self.attention](self) if self.attention in PATTERN_RULES else []
         out += non_negative(self, "memory_tokens", "downsample_every")
         if self.attention_backend == "flex" and self.attention_dropout > 0:
             out.append(f"model.attention_dropout: flex attention has no dropout, found {self.attention_dropout}; "
                        "set it to 0 or use model.attention_backend = 'sdpa'")
-        if self.attention == "low_rank":
-            out += positive(self, "rank")
-            if self.positional in ("alibi", "relative"):
-                out.append(f"model.positional: {self.positional!r} biases scores by key position, and a "
-                           "low_rank key is a mixture of positions; use sinusoidal, learned, rope or none")
-        if self.attention == "synthesizer":
-            # its scores are a table of positions in the attention's score_bias, with no q or k
-            clash = {"positional": self.positional in ("alibi", "relative", "rope"), "qkv": self.qkv == "shared",
-                     "memory_tokens": self.memory_tokens > 0, "attention_backend": self.attention_backend == "flex",
-                     "pruned_heads": bool(self.pruned_heads)}
-            out += [f"model.{key}: model.attention = 'synthesizer' scores positions from its own table, without "
-                    f"queries or keys; found model.{key} = {getattr(self, key)!r}" for key, bad in clash.items() if bad]
         if self.positional == "rope" and self.n_heads > 0 and self.d_model % self.n_heads == 0 and self.head_dim % 2:
             out.append(
                 f"model.d_model: rotary positions need an even head dimension (d_model / n_heads), "

@@ -37,6 +37,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
+from xformer.config.schema import PATTERN_RULES
+from xformer.config.strict import non_negative, positive
 from xformer.model.banded import banded_attention, strided_attention
 
 
@@ -46,6 +48,12 @@ class Full:
     CONTENT_FREE = False  # whether the scores ignore q.k (a learned table of positions: synthesizer)
     score_hook: Callable[[Tensor], Tensor] | None = None
     global_tokens = 0  # leading positions every query sees and that see every key
+
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        """What a [model] table (config.schema.ModelConfig) gets wrong for this pattern."""
+        return []
 
     def allowed(self, q: Tensor, k: Tensor) -> Tensor | None:
         return None
@@ -69,6 +77,11 @@ class Full:
 class SlidingWindow(Full):
     QUERY_DEPENDENT = True
 
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        return positive(cfg, "window")
+
     def __init__(self, window: int):
         self.window = window
 
@@ -88,6 +101,10 @@ class SlidingWindow(Full):
 
 
 class LocalGlobal(SlidingWindow):
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        return positive(cfg, "window") + non_negative(cfg, "global_tokens")
+
     def __init__(self, window: int, global_tokens: int):
         super().__init__(window)
         self.global_tokens = global_tokens
@@ -98,6 +115,11 @@ class LocalGlobal(SlidingWindow):
 
 class Strided(Full):
     QUERY_DEPENDENT = True
+
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        return positive(cfg, "stride")
 
     def __init__(self, stride: int):
         self.stride = stride
@@ -119,6 +141,11 @@ class Strided(Full):
 class TopK(Full):
     """Decides by score, not position: every query row on its own (QUERY_DEPENDENT stays False)."""
 
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        return positive(cfg, "topk")
+
     def __init__(self, k: int):
         self.k = k
         self.score_hook = self.keep_top
@@ -139,6 +166,15 @@ class LowRank(Full):
 
     PROJECTS_KEYS = True
 
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        out = positive(cfg, "rank")
+        if cfg.positional in ("alibi", "relative"):
+            out.append(f"model.positional: {cfg.positional!r} biases scores by key position, and a "
+                       "low_rank key is a mixture of positions; use sinusoidal, learned, rope or none")
+        return out
+
     def __init__(self, rank: int):
         self.rank = rank
 
@@ -151,6 +187,15 @@ class Synthesized(Full):
     (Synthesizer's random attention, model/synthesizer.py)."""
 
     CONTENT_FREE = True
+
+    @staticmethod
+    def problems(cfg) -> list[str]:
+        # its scores are a table of positions in the attention's score_bias, with no q or k
+        clash = {"positional": cfg.positional in ("alibi", "relative", "rope"), "qkv": cfg.qkv == "shared",
+                 "memory_tokens": cfg.memory_tokens > 0, "attention_backend": cfg.attention_backend == "flex",
+                 "pruned_heads": bool(cfg.pruned_heads)}
+        return [f"model.{key}: model.attention = 'synthesizer' scores positions from its own table, without "
+                f"queries or keys; found model.{key} = {getattr(cfg, key)!r}" for key, bad in clash.items() if bad]
 
 
 def make_pattern(name: str, *, window: int = 0, global_tokens: int = 0, stride: int = 0, topk: int = 0,
@@ -169,6 +214,10 @@ PATTERNS = {
     "low_rank": lambda rank, **_: LowRank(rank),
     "synthesizer": lambda **_: Synthesized(),
 }
+# the config's own dict (config/schema.py): each pattern's rules on a [model] table, as it checks one
+PATTERN_RULES.update({"full": Full.problems, "sliding_window": SlidingWindow.problems,
+                      "local_global": LocalGlobal.problems, "strided": Strided.problems, "topk": TopK.problems,
+                      "low_rank": LowRank.problems, "synthesizer": Synthesized.problems})
 
 
 def self_attention_mask(pattern: Full, t: int, s: int, offset: int, *, causal: bool, pad: Tensor | None = None,
