@@ -325,7 +325,7 @@ def test_train_and_eval_write_a_run_card_and_eval_says_when_the_data_changed(tra
     report = evaluate_run(copy, checkpoint="last", device="cpu")
     # (a warning that other processes slowed the timing depends on the machine, not on the run)
     assert [w for w in report.warnings if not w.startswith("timed while")] == []
-    assert report.card["data"] == {"test": card["data"]["test"]}
+    assert report.card.data == {"test": card["data"]["test"]}
     summary = json.loads((copy / "train.json").read_text())
     summary["card"]["data"]["test"] = "0" * 16  # as if the test file had changed since training
     (copy / "train.json").write_text(json.dumps(summary))
@@ -335,10 +335,10 @@ def test_train_and_eval_write_a_run_card_and_eval_says_when_the_data_changed(tra
     shown = runner.invoke(app, ["eval", str(copy), "--checkpoint", "last", "--device", "cpu"])
     assert shown.exit_code == 0 and "warning: " in shown.output and "differ from the ones training read" in shown.output
     meta = read_checkpoint_meta(copy / "checkpoints" / "last.safetensors")
-    assert report.card["checkpoint"] == {"name": "last", "step": 40, "sha256": meta["sha256"], "final": True}
+    assert report.card.checkpoint == {"name": "last", "step": 40, "sha256": meta["sha256"], "final": True}
     (copy / "train.json").unlink()  # as if training had not ended: the score may go stale
     report = evaluate_run(copy, checkpoint="last", device="cpu")
-    assert not report.card["checkpoint"]["final"]
+    assert not report.card.checkpoint["final"]
     assert any("checkpoint 'last' (step 40) is not the run's final one" in w for w in report.warnings)
 
 

@@ -17,7 +17,12 @@ class Result:
         """The fields as JSON holds them; an optional field (default None) that is None is left
         out, as the files have always left out what a run did not compute."""
         optional = {f.name for f in fields(self) if f.default is None}
-        return {k: v for k, v in asdict(self).items() if not (v is None and k in optional)}
+        out = {k: v for k, v in asdict(self).items() if not (v is None and k in optional)}
+        for key in out:  # a field that is an object with its own JSON form (a run card) writes that
+            value = getattr(self, key)
+            if hasattr(value, "to_dict"):
+                out[key] = value.to_dict()
+        return out
 
     def to_json(self, indent: int | None = 2) -> str:
         return finite_json(self.to_dict(), indent=indent)  # null (and "nonfinite") for NaN / inf
@@ -58,7 +63,7 @@ class TranslationEval(Result):
     kv_cache_mb: float | None = None  # the most the decoder's key/value caches held at once (one batch), MB
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
     engine: str | None = None  # "ctranslate2" when an exported model decoded
-    card: dict | None = None  # what reproducing the score needs (xformer.training.run_card)
+    card: Any = None  # xformer.training.run_card.RunCard: what reproducing the score needs
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
     paired: dict | None = None  # with --baseline: the paired bootstrap against that run (xformer.significance)
 
@@ -87,7 +92,7 @@ class ClassificationEval(Result):
     # mean CPU cores other processes took while it classified (xformer.training.cpuload)
     others_cpu: float | None = None
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
-    card: dict | None = None  # what reproducing the score needs (xformer.training.run_card)
+    card: Any = None  # xformer.training.run_card.RunCard: what reproducing the score needs
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
     paired: dict | None = None  # with --baseline: McNemar's exact test against that run (xformer.significance)
 

@@ -26,7 +26,7 @@ import errno
 import itertools
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -66,7 +66,7 @@ from xformer.training.resume import (
     resumed_recipe,
     set_aside,
 )
-from xformer.training.run_card import run_card
+from xformer.training.run_card import RunCard, run_card
 from xformer.training.run_folder import finished_at, remove_temporaries, tokenizer_digest
 
 clock = time.perf_counter  # the run's time budget is read from it (tests pass their own)
@@ -92,13 +92,18 @@ class TrainResult:
     peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth, 0 unless measured
     history: list[dict] = field(default_factory=list)
     skipped_steps: int = 0  # not finite, so not taken (Runtime.step)
-    card: dict = field(default_factory=dict)  # what reproducing the run needs (xformer.training.run_card)
+    card: RunCard | None = None  # what reproducing the run needs (xformer.training.run_card)
     changes: list[dict] = field(default_factory=list)  # what --resume changed, and from which step
     stop_signal: str = ""  # the signal that interrupted it, e.g. "SIGTERM"
     # mean CPU cores other processes took while it trained (xformer.training.cpuload); None: not measurable
     others_cpu: float | None = None
     # train.regularisation = "budget": what it chose and why (xformer.training.budget)
     regularisation: dict | None = None
+
+    def to_dict(self) -> dict:
+        """train.json's fields (the card in its JSON form) and the loop overhead."""
+        return {**asdict(self), "card": self.card.to_dict() if self.card is not None else {},
+                "loop_overhead": self.loop_overhead}
 
     @property
     def loop_overhead(self) -> float:
@@ -177,7 +182,7 @@ class TrainState:
     trained: torch.nn.Module  # the model, or its compiled forward
     optimizer: torch.optim.Optimizer
     stamp: dict  # in every checkpoint: the recipe and the tokenizer's digest
-    card: dict
+    card: RunCard
     emit: Event
     started: float  # clock() when this part began
     progress: Progress = field(default_factory=Progress)
@@ -522,7 +527,7 @@ def _close(state: TrainState, stop_reason: str | None) -> TrainResult:
         loop_seconds=progress.loop_seconds, tokens=progress.tokens, device=str(state.rt.device),
         precision=state.rt.precision, precision_reason=state.rt.reason, parameters=_parameters(state.model),
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
-        card={**state.card, "wall_seconds": clock() - state.started, "processes": cluster.world},
+        card=replace(state.card, wall_seconds=clock() - state.started, processes=cluster.world),
         stop_signal=state.signals.name, changes=state.whole.to_dict().get("changes", []),
         regularisation=progress.regularisation,
         # under torch.distributed the other processes are this run's own: not measured
@@ -531,8 +536,8 @@ def _close(state: TrainState, stop_reason: str | None) -> TrainResult:
     )
     if cluster.writer:
         atomic_write_text(out_dir / "train.json",
-                          finite_json({**asdict(result), "loop_overhead": result.loop_overhead}, indent=2))
-    state.emit("end", asdict(result))
+                          finite_json(result.to_dict(), indent=2))
+    state.emit("end", {k: v for k, v in result.to_dict().items() if k != "loop_overhead"})
     return result
 
 

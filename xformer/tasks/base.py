@@ -46,7 +46,7 @@ from xformer.significance import mcnemar, right_or_wrong
 from xformer.training.checkpoint import load_model_weights, read_checkpoint, read_checkpoint_meta, run_checkpoint
 from xformer.training.cpuload import busy
 from xformer.training.device import Runtime, resolve_runtime
-from xformer.training.run_card import data_fingerprints, run_card
+from xformer.training.run_card import RunCard, data_fingerprints, run_card
 from xformer.training.run_folder import check_tokenizer
 
 # sentencepiece models (translation, classification) or fixed schemes (classification only)
@@ -171,17 +171,17 @@ class Task:
         return (quantize_model(model, quantize, rt.device) if quantize else model), rt
 
     def eval_card(self, run_dir: str | Path, rt: Runtime | None, split: str, data: str | None,
-                  checkpoint: str, others_cpu: float | None = None) -> tuple[dict, list]:
+                  checkpoint: str, others_cpu: float | None = None) -> tuple[RunCard, list]:
         """The run card of an evaluation of `split` (or of the file or folder `data`) with
         `checkpoint`, and what it warns of: the checkpoint is not the run's final one (still
         training, or stopped part way), the split's files differ from the ones training
         fingerprinted, other processes took CPU while it was timed (`others_cpu` cores).
-        card["checkpoint"]: its name, step, tensor sha256 and whether it is final."""
+        card.checkpoint: its name, step, tensor sha256 and whether it is final."""
         d = self.recipe.data
         prints = data_fingerprints(data, d.fields()) if data is not None else d.fingerprints()
         mine = next(iter(prints.values()), None) if data is not None else prints.get(split)
         card = run_card(self.recipe, rt, {split if data is None else str(data): mine} if mine else {})
-        card["checkpoint"], unfinished = checkpoint_identity(Path(run_dir), checkpoint)
+        card.checkpoint, unfinished = checkpoint_identity(Path(run_dir), checkpoint)
         warnings = [unfinished] if unfinished else []
         trained_file = Path(run_dir) / "train.json"
         if data is None and mine and trained_file.is_file():

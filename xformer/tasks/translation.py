@@ -290,7 +290,7 @@ class TranslationTask(Task):
             kv_cache_mb=stats.cache_bytes / 2**20 if decoder.engine is None else None, engine=decoder.engine)
         result.card, result.warnings = self.eval_card(run_dir, decoder.rt, split, request.data, decoder.checkpoint,
                                                       others_cpu)
-        result.card["wall_seconds"] = time.perf_counter() - started
+        result.card.wall_seconds = time.perf_counter() - started
         atomic_write_text(out_dir / f"{stem}.hyp", "".join(h + "\n" for h in hyps))
         atomic_write_text(out_dir / f"{stem}.json", result.to_json())
         as_trained = decoder.engine is None and decoder.quantize == (recipe.eval.quantize or None)

@@ -15,6 +15,7 @@ import hashlib
 import platform
 import subprocess
 import sys
+from dataclasses import asdict, dataclass
 from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
@@ -27,14 +28,41 @@ from xformer.training.device import Runtime
 PACKAGES = ("torch", "sacrebleu", "sentencepiece", "datasets")
 
 
-def run_card(recipe: Recipe, rt: Runtime | None, data: dict[str, str] | None = None) -> dict:
+@dataclass
+class RunCard:
+    """What reproducing a number needs (module docstring); to_dict() is what the JSON holds."""
+
+    recipe: dict  # the resolved recipe
+    seed: int
+    versions: dict  # package -> version (None where not installed)
+    git_commit: str | None
+    python: str
+    platform: str
+    cpu: str
+    device: str | None  # None: another engine decoded
+    precision: str | None
+    precision_reason: str | None
+    allocator: dict  # xformer.allocator.allocator()
+    command: list[str]
+    data: dict  # split name (or file) -> fingerprint of what it reads
+    checkpoint: dict | None = None  # an evaluation's: name, step, tensor sha256, whether final
+    wall_seconds: float | None = None  # the whole command's, start to end
+    processes: int | None = None  # a training run's processes (torchrun)
+
+    def to_dict(self) -> dict:
+        """The card as the JSON files hold it: what only some commands record left out when unset."""
+        later = ("checkpoint", "wall_seconds", "processes")
+        return {k: v for k, v in asdict(self).items() if not (k in later and v is None)}
+
+
+def run_card(recipe: Recipe, rt: Runtime | None, data: dict[str, str] | None = None) -> RunCard:
     """The card of a run about to train or evaluate with `recipe` on `rt` (None: another
     engine decodes); `data`: split name -> fingerprint of what it reads
     (data_fingerprints)."""
-    return {"recipe": recipe.to_dict(), "seed": recipe.train.seed, **environment(),
-            "device": str(rt.device) if rt else None, "precision": rt.precision if rt else None,
-            "precision_reason": rt.reason if rt else None, "allocator": allocator(),
-            "command": [Path(sys.argv[0]).name, *sys.argv[1:]], "data": data or {}}
+    return RunCard(recipe=recipe.to_dict(), seed=recipe.train.seed, **environment(),
+                   device=str(rt.device) if rt else None, precision=rt.precision if rt else None,
+                   precision_reason=rt.reason if rt else None, allocator=allocator(),
+                   command=[Path(sys.argv[0]).name, *sys.argv[1:]], data=data or {})
 
 
 @lru_cache(maxsize=1)
