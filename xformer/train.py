@@ -397,15 +397,12 @@ def _epoch(state: TrainState) -> str | None:
         t1 = time.perf_counter()
         progress.step += 1
         lr = learning_rate(progress.step, cfg, _cooldown(state))
-        stop_reason, skipped, step_loss, units, tokens = _step(state, group, lr)
+        step = _step(state, group, lr)
         t2 = time.perf_counter()
         progress.data_seconds += t1 - t0
         progress.compute_seconds += t2 - t1
         state.plan.measure(state.elapsed())
-        _log(state, stop_reason, lr, t2, (step_loss, skipped, units, tokens))
-        boundary = time.perf_counter()
-        progress.loop_seconds += boundary - t0
-        stop_reason = _boundary(state, stop_reason, boundary)
+        stop_reason = _boundary(state, step, lr, t0, t2)
         if stop_reason:
             return stop_reason
     progress.epoch += 1
@@ -420,11 +417,11 @@ def _cooldown(state: TrainState) -> tuple[int, int] | None:
     return window
 
 
-def _step(state: TrainState, group: list, lr: float):
+def _step(state: TrainState, group: list, lr: float) -> tuple:
     """One optimizer step over `group` (accumulate_steps batches, shared out among the processes):
-    the stop reason all processes agree on, whether it was skipped (not finite), the summed loss,
-    and the units and tokens it averaged over."""
-    progress, cfg, task, rt, cluster = state.progress, state.recipe.train, state.task, state.rt, state.cluster
+    this process's summed loss, whether the step was skipped (not finite), and the units and
+    tokens it averaged over."""
+    cfg, task, rt, cluster = state.recipe.train, state.task, state.rt, state.cluster
     for g in state.optimizer.param_groups:
         g["lr"] = lr
     n_units = sum(task.units(b) for b in group)  # what the loss is averaged over, all processes
@@ -436,16 +433,9 @@ def _step(state: TrainState, group: list, lr: float):
         step_loss = step_loss + loss.detach()
     skipped = rt.step(state.optimizer, state.model, cfg.clip_norm, reduce=cluster.reduce_gradients)  # 1.0: not finite
     state.optimizer.zero_grad(set_to_none=True)
-    progress.batch_in_epoch += len(group)
-    progress.tokens += n_tokens
-    # A signal is acted on at a step boundary, so the checkpoint resumes exactly; one that lands
-    # on a validation step lets that validation and its step checkpoint happen first, so the
-    # resumed run averages what an uninterrupted one would.
-    stop_reason, step_loss = cluster.agree(_stop_reason(cfg, progress, state.elapsed(), len(task.train_batches)),
-                                           bool(state.signals.received), step_loss)
-    if stop_reason is None and progress.step == state.change_at:  # run() goes on with the recipe changed
-        stop_reason = "change"
-    return stop_reason, skipped, step_loss, n_units, n_tokens
+    state.progress.batch_in_epoch += len(group)
+    state.progress.tokens += n_tokens
+    return step_loss, skipped, n_units, n_tokens
 
 
 def _log(state: TrainState, stop_reason: str | None, lr: float, now: float, step: tuple) -> None:
@@ -477,10 +467,21 @@ def _log(state: TrainState, stop_reason: str | None, lr: float, now: float, step
                             "or train in fp32, then --resume", step=progress.step)
 
 
-def _boundary(state: TrainState, stop_reason: str | None, boundary: float) -> str | None:
-    """After a step: validate and checkpoint where due (a validation step, the run's end), keep a
-    branch point, and return the stop reason (patience and time are process 0's word)."""
+def _boundary(state: TrainState, step: tuple, lr: float, started: float, now: float) -> str | None:
+    """After a step: what all processes agree on (the stop reason, the summed loss), the log line,
+    validation and checkpoints where due (a validation step, the run's end), a branch point;
+    returns the stop reason (patience and time are process 0's word)."""
     progress, cfg, task = state.progress, state.recipe.train, state.task
+    # A signal is acted on at a step boundary, so the checkpoint resumes exactly; one that lands
+    # on a validation step lets that validation and its step checkpoint happen first, so the
+    # resumed run averages what an uninterrupted one would.
+    stop_reason, step_loss = state.cluster.agree(_stop_reason(cfg, progress, state.elapsed(), len(task.train_batches)),
+                                                 bool(state.signals.received), step[0])
+    if stop_reason is None and progress.step == state.change_at:  # run() goes on with the recipe changed
+        stop_reason = "change"
+    _log(state, stop_reason, lr, now, (step_loss, *step[1:]))
+    boundary = time.perf_counter()
+    progress.loop_seconds += boundary - started
     interrupted = stop_reason in ("interrupted", "change")  # a checkpoint, no final validation
     final = stop_reason is not None and not interrupted
     if progress.step % cfg.valid_every == 0 or final:
