@@ -42,6 +42,14 @@ class Projections(NamedTuple):
     v: nn.Module
 
 
+
+def separate_projections(d_model: int, n_heads: int, n_kv_heads: int, bias: bool = True) -> Projections:
+    """q, k and v from three matrices (Vaswani et al. 2017): model.qkv = "separate", the default."""
+    head_dim = d_model // n_heads
+    return Projections(nn.Linear(d_model, n_heads * head_dim, bias=bias),
+                       nn.Linear(d_model, n_kv_heads * head_dim, bias=bias),
+                       nn.Linear(d_model, n_kv_heads * head_dim, bias=bias))
+
 def explicit_attention(
     q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
     dropout: float = 0.0, training: bool = False, bias: Tensor | None = None,
@@ -149,9 +157,7 @@ class MultiHeadAttention(nn.Module):
         self.head_dropout = head_dropout
         self.backend = backend
         if projections is None:
-            projections = Projections(nn.Linear(d_model, n_heads * self.head_dim, bias=bias),
-                                      nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias),
-                                      nn.Linear(d_model, self.n_kv_heads * self.head_dim, bias=bias))
+            projections = separate_projections(d_model, n_heads, self.n_kv_heads, bias)
         if (projections.q is None) != (projections.k is None):
             raise ValueError("q and k projections come together: both modules, or both None (content-free scores)")
         self.q_proj, self.k_proj, self.v_proj = projections.q, projections.k, projections.v

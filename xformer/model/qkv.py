@@ -3,17 +3,7 @@ builds the q, k and v projections that model/build.py hands to a MultiHeadAttent
 
 from __future__ import annotations
 
-from torch import nn
-
-from xformer.model.attention import Projections
-
-
-def separate_projections(d_model: int, n_heads: int, n_kv_heads: int, bias: bool = True) -> Projections:
-    """q, k and v from three matrices (Vaswani et al. 2017)."""
-    head_dim = d_model // n_heads
-    return Projections(nn.Linear(d_model, n_heads * head_dim, bias=bias),
-                       nn.Linear(d_model, n_kv_heads * head_dim, bias=bias),
-                       nn.Linear(d_model, n_kv_heads * head_dim, bias=bias))
+from xformer.model.attention import Projections, separate_projections
 
 
 def shared_projections(d_model: int, n_heads: int, n_kv_heads: int, bias: bool = True) -> Projections:
