@@ -97,7 +97,7 @@ def test_every_cell_and_seed_is_an_ordinary_run_and_the_summary_is_their_scores(
     refs = [json.loads(line)["en"] for line in (corpus / "test.jsonl").read_text().splitlines()]
     hyps = [(out / "runs" / f"{c}-s1" / "eval.json") for c in ("heads_1", "heads_2")]
     lines = [open(json.loads(h.read_text())["hypotheses"]).read().splitlines() for h in hyps]
-    assert heads_1["paired"][0]["p_value"] == paired_bleu(lines[0], lines[1], refs)["p_value"]
+    assert heads_1["paired"][0]["p_value"] == paired_bleu(lines[0], lines[1], refs).p_value
     for name in ("results.json", "results.md", "results.png"):
         assert (out / name).is_file()
     assert "| heads_1 | model.n_heads=1 |" in (out / "results.md").read_text()

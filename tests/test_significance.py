@@ -23,22 +23,22 @@ def test_the_scores_are_sacrebleus_and_a_clear_gap_is_significant():
     worse = [" ".join(r.split()[: len(r.split()) // 2]) for r in REFS]
     better = [r if i % 3 else w for i, (r, w) in enumerate(zip(REFS, worse, strict=True))]
     got = paired_bleu(better, worse, REFS)
-    assert got["bleu"] == pytest.approx(sacrebleu.corpus_bleu(better, [REFS]).score)
-    assert got["baseline_bleu"] == pytest.approx(sacrebleu.corpus_bleu(worse, [REFS]).score)
-    assert got["difference"] == pytest.approx(got["bleu"] - got["baseline_bleu"]) and got["difference"] > 10
-    assert got["p_value"] < 0.01 and got["samples"] == 1000
-    assert got["baseline_mean"] - got["baseline_interval"] <= got["baseline_bleu"] <= (
-        got["baseline_mean"] + got["baseline_interval"] + 1.0)
-    assert "bs:1000" in got["signature"]
+    assert got.bleu == pytest.approx(sacrebleu.corpus_bleu(better, [REFS]).score)
+    assert got.baseline_bleu == pytest.approx(sacrebleu.corpus_bleu(worse, [REFS]).score)
+    assert got.difference == pytest.approx(got.bleu - got.baseline_bleu) and got.difference > 10
+    assert got.p_value < 0.01 and got.samples == 1000
+    assert got.baseline_mean - got.baseline_interval <= got.baseline_bleu <= (
+        got.baseline_mean + got.baseline_interval + 1.0)
+    assert "bs:1000" in got.signature
     assert paired_bleu(better, worse, REFS) == got  # sacreBLEU's fixed seed: the same p-value every time
 
 
 def test_identical_outputs_are_no_difference_and_a_mismatch_is_refused():
     same = paired_bleu(REFS[::-1], REFS[::-1], REFS)
-    assert same["difference"] == 0.0 and same["p_value"] == 1.0
+    assert same.difference == 0.0 and same.p_value == 1.0
     # two different outputs that both score 0 (two diverged models): no gap in any resample
     nothing = paired_bleu(["zzz qqq"] * 60, ["xxx yyy www"] * 60, REFS)
-    assert nothing["bleu"] == nothing["baseline_bleu"] == 0.0 and nothing["p_value"] == 1.0
+    assert nothing.bleu == nothing.baseline_bleu == 0.0 and nothing.p_value == 1.0
     with pytest.raises(DataError, match="59 hypotheses, 60 baseline hypotheses and 60 references"):
         paired_bleu(REFS[:-1], REFS, REFS)
 
@@ -64,6 +64,9 @@ def test_eval_baseline_reports_both_runs_own_scores_and_writes_the_comparison(tw
     assert p["bleu"] == pytest.approx(report["bleu"])
     assert p["baseline_bleu"] == pytest.approx(json.loads(alone.stdout)["bleu"])
     assert 0 < p["p_value"] <= 1 and p["baseline"] == str(baseline)
+    # one flat object, its keys in the order eval JSONs have always had them
+    assert list(p) == ["baseline", "baseline_checkpoint", "baseline_beam", "test", "samples", "bleu", "baseline_bleu",
+                       "difference", "p_value", "mean", "interval", "baseline_mean", "baseline_interval", "signature"]
     written = list((system / "eval").glob("*.vs-short.json"))
     assert len(written) == 1 and json.loads(written[0].read_text())["p_value"] == p["p_value"]
     shown = runner.invoke(app, ["eval", str(system), "--beam", "1", "--device", "cpu", "--baseline", str(baseline)])
@@ -104,13 +107,13 @@ def test_mcnemar_is_the_exact_binomial_on_the_disagreements():
     correct = [True] * 7 + [False] * 2 + [True] * 5 + [False] * 3   # 7 wins, 2 losses, 8 ties
     baseline = [False] * 7 + [True] * 2 + [True] * 5 + [False] * 3
     got = mcnemar(correct, baseline)
-    assert (got["wins"], got["losses"]) == (7, 2)
+    assert (got.wins, got.losses) == (7, 2)
     n, seen = 9, abs(7 - 2)
     outcomes = list(itertools.product([0, 1], repeat=n))
     naive = sum(abs(2 * sum(o) - n) >= seen for o in outcomes) / len(outcomes)
-    assert got["p_value"] == pytest.approx(naive)
-    assert got["difference"] == pytest.approx(100 * (12 - 7) / 17)
-    assert mcnemar(correct, correct)["p_value"] == 1.0
+    assert got.p_value == pytest.approx(naive)
+    assert got.difference == pytest.approx(100 * (12 - 7) / 17)
+    assert mcnemar(correct, correct).p_value == 1.0
     with pytest.raises(DataError, match="17 predictions against 16"):
         mcnemar(correct, baseline[:-1])
 
@@ -127,12 +130,12 @@ def test_mcnemars_interval_is_196_standard_errors_of_the_mean_paired_difference(
     baseline = np.where(rng.random(400) < 0.8, correct, ~correct)  # disagree on ~20% of the examples
     got = mcnemar(correct.tolist(), baseline.tolist())
     differences = correct.astype(float) - baseline.astype(float)
-    assert got["difference_interval"] == pytest.approx(100 * 1.96 * np.sqrt(differences.var() / 400))
+    assert got.difference_interval == pytest.approx(100 * 1.96 * np.sqrt(differences.var() / 400))
     # 3 wins, 1 loss, 6 ties: d = 0.2, variance of the differences 4/10 - 0.2^2 = 0.36
     by_hand = mcnemar([True] * 3 + [False] + [True] * 6, [False] * 3 + [True] * 7)
-    assert by_hand["difference_interval"] == pytest.approx(100 * 1.96 * (0.36 / 10) ** 0.5)
-    assert by_hand["difference_interval"] == pytest.approx(37.19, abs=0.01)
-    assert mcnemar([True, False], [True, False])["difference_interval"] == 0.0
+    assert by_hand.difference_interval == pytest.approx(100 * 1.96 * (0.36 / 10) ** 0.5)
+    assert by_hand.difference_interval == pytest.approx(37.19, abs=0.01)
+    assert mcnemar([True, False], [True, False]).difference_interval == 0.0
 
 
 def test_a_predictions_file_of_another_length_is_refused(tmp_path):
@@ -174,6 +177,8 @@ def test_eval_baseline_pairs_classification_runs_by_mcnemar_on_their_own_predict
     report = json.loads(paired.stdout)
     p = report["paired"]
     assert (p["accuracy"], p["baseline_accuracy"]) == (report["accuracy"], alone["accuracy"])
+    assert list(p) == ["baseline", "baseline_checkpoint", "accuracy", "baseline_accuracy", "test", "wins", "losses",
+                       "difference", "p_value", "difference_interval"]
     # McNemar's counts from the two prediction files and the generated test set's labels
     from xformer.config.loading import load_run_recipe
     from xformer.tasks import make_task

@@ -9,7 +9,6 @@ Results are written to RUN/eval/<name>.*, named so that different inputs never s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -19,7 +18,7 @@ from xformer.config.schema import Recipe
 from xformer.errors import DataError, RunError
 from xformer.files import atomic_write_text
 from xformer.locks import describe, holder
-from xformer.results import ClassificationEval, EvalView, TranslationEval
+from xformer.results import ClassificationEval, EvalView, Paired, TranslationEval
 from xformer.tasks import make_task
 from xformer.tasks.base import EvalRequest
 from xformer.tasks.generated import GeneratedData
@@ -110,16 +109,16 @@ def check_pairable(run_dir: Path, recipe: Recipe, baseline: Path, request: EvalR
     return Pairing(baseline, base_recipe, base_request, own)
 
 
-def compare_with(result: TranslationEval | ClassificationEval, pairing: Pairing) -> dict:
+def compare_with(result: TranslationEval | ClassificationEval, pairing: Pairing) -> Paired:
     """Score the same test set with the baseline run and run the task's paired test; the
     comparison is also written beside the run's outputs as <stem>.vs-<baseline folder>.json."""
     baseline, task = pairing.baseline, make_task(pairing.recipe)
     base = task.evaluate(baseline, pairing.request)
     mine, theirs = getattr(result, task.OUTPUTS), getattr(base, task.OUTPUTS)
-    paired = {"baseline": str(baseline), "baseline_checkpoint": base.checkpoint,
-              **base.as_baseline_of(result), **task.paired_test(mine, theirs, pairing.test_set)}
+    paired = Paired(baseline=str(baseline), baseline_checkpoint=base.checkpoint,
+                    outcome=task.paired_test(mine, theirs, pairing.test_set), **base.as_baseline_of(result))
     stem = Path(mine).with_suffix("")
-    atomic_write_text(stem.with_name(f"{stem.name}.vs-{baseline.resolve().name}.json"), json.dumps(paired, indent=2))
+    atomic_write_text(stem.with_name(f"{stem.name}.vs-{baseline.resolve().name}.json"), paired.to_json())
     return paired
 
 

@@ -42,6 +42,24 @@ class EvalView:
 
 
 @dataclass
+class Paired(Result):
+    """A score's paired test against a baseline run (`xformer eval --baseline`); its JSON is one
+    flat object: the baseline, what the baseline adds beside the test, then the test's fields."""
+
+    baseline: str  # the baseline's run folder
+    baseline_checkpoint: str
+    outcome: Any  # xformer.significance.PairedBleu (translation) or McNemar (classification)
+    baseline_beam: int | None = None  # translation: the beam the baseline decoded with
+    accuracy: float | None = None  # classification: this run's accuracy and the baseline's, percent
+    baseline_accuracy: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = super().to_dict()
+        outcome = out.pop("outcome")
+        return {**out, **outcome}
+
+
+@dataclass
 class TranslationEval(Result):
     """A translation run scored on a split or a file (`xformer eval`)."""
 
@@ -65,10 +83,11 @@ class TranslationEval(Result):
     engine: str | None = None  # "ctranslate2" when an exported model decoded
     card: Any = None  # xformer.training.run_card.RunCard: what reproducing the score needs
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
-    paired: dict | None = None  # with --baseline: the paired bootstrap against that run (xformer.significance)
+    paired: Paired | None = None  # with --baseline: the paired bootstrap against that run (xformer.significance)
 
     def as_baseline_of(self, other: TranslationEval) -> dict:
-        """What a paired comparison records of this score as `other`'s baseline, beside the test."""
+        """What a paired comparison records of this score as `other`'s baseline, beside the test
+        (Paired's fields)."""
         return {"baseline_beam": self.beam}
 
 
@@ -94,10 +113,11 @@ class ClassificationEval(Result):
     quantize: str | None = None  # "int8" when scored with quantized Linear layers
     card: Any = None  # xformer.training.run_card.RunCard: what reproducing the score needs
     warnings: list[str] | None = None  # e.g. the split's files differ from what training read
-    paired: dict | None = None  # with --baseline: McNemar's exact test against that run (xformer.significance)
+    paired: Paired | None = None  # with --baseline: McNemar's exact test against that run (xformer.significance)
 
     def as_baseline_of(self, other: ClassificationEval) -> dict:
-        """What a paired comparison records of this score as `other`'s baseline, beside the test."""
+        """What a paired comparison records of this score as `other`'s baseline, beside the test
+        (Paired's fields)."""
         return {"accuracy": other.accuracy, "baseline_accuracy": self.accuracy}
 
 

@@ -16,19 +16,50 @@ accuracy difference gets Wald's 95% interval for paired proportions beside it.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from pathlib import Path
 
 from sacrebleu.metrics import BLEU
 from sacrebleu.significance import PairedTest
 
 from xformer.errors import DataError
+from xformer.results import Result
 
 SAMPLES = 1000  # sacreBLEU's default for --paired-bs
 SIGNIFICANT = 0.05  # a paired test's p-value below this counts as a significant difference
 
 
+@dataclass
+class PairedBleu(Result):
+    """sacreBLEU's paired bootstrap of a system against a baseline on one test set."""
+
+    test: str  # "paired bootstrap resampling (sacreBLEU)"
+    samples: int
+    bleu: float  # cased BLEU of the system
+    baseline_bleu: float
+    difference: float  # bleu - baseline_bleu
+    p_value: float
+    mean: float  # the system's mean BLEU over the resamples, and half its 95% interval
+    interval: float
+    baseline_mean: float
+    baseline_interval: float
+    signature: str
+
+
+@dataclass
+class McNemar(Result):
+    """McNemar's exact test of a classifier against a baseline on one test set."""
+
+    test: str  # "McNemar's exact test"
+    wins: int  # right where the baseline is wrong
+    losses: int  # wrong where the baseline is right
+    difference: float  # accuracy difference, points
+    p_value: float
+    difference_interval: float  # half the 95% interval of `difference`, points
+
+
 def paired_bleu(hypotheses: list[str], baseline: list[str], references: list[str], *,
-                samples: int = SAMPLES) -> dict:
+                samples: int = SAMPLES) -> PairedBleu:
     """Cased BLEU of both systems, the difference, and the paired bootstrap's p-value and
     95% intervals; refused when the three lists are not one test set."""
     if not (len(hypotheses) == len(baseline) == len(references)):
@@ -43,17 +74,17 @@ def paired_bleu(hypotheses: list[str], baseline: list[str], references: list[str
     # two models that get nothing right: BLEU 0 both), which would read as significant.
     tied = list(hypotheses) == list(baseline) or float(system.score) == float(base.score)
     p_value = 1.0 if tied else float(system.p_value)
-    return {
-        "test": "paired bootstrap resampling (sacreBLEU)", "samples": samples,
-        "bleu": float(system.score), "baseline_bleu": float(base.score),
-        "difference": float(system.score - base.score), "p_value": p_value,
-        "mean": float(system.mean), "interval": float(system.ci),
-        "baseline_mean": float(base.mean), "baseline_interval": float(base.ci),
-        "signature": str(signatures["BLEU"]),
-    }
+    return PairedBleu(
+        test="paired bootstrap resampling (sacreBLEU)", samples=samples,
+        bleu=float(system.score), baseline_bleu=float(base.score),
+        difference=float(system.score - base.score), p_value=p_value,
+        mean=float(system.mean), interval=float(system.ci),
+        baseline_mean=float(base.mean), baseline_interval=float(base.ci),
+        signature=str(signatures["BLEU"]),
+    )
 
 
-def mcnemar(correct: list[bool], baseline: list[bool]) -> dict:
+def mcnemar(correct: list[bool], baseline: list[bool]) -> McNemar:
     """McNemar's exact test between two classifiers' per-example correctness on one test set:
     `wins` (right where the baseline is wrong), `losses` (the reverse), the accuracy
     difference in points, the two-sided p-value (1.0 when they never disagree) and the
@@ -69,9 +100,9 @@ def mcnemar(correct: list[bool], baseline: list[bool]) -> dict:
     tail = sum(math.comb(n, k) for k in range(min(wins, losses) + 1)) / 2 ** n if n else 1.0
     total = max(len(correct), 1)
     spread = math.sqrt(max(n - (wins - losses) ** 2 / total, 0.0)) / total
-    return {"test": "McNemar's exact test", "wins": wins, "losses": losses,
-            "difference": 100.0 * (sum(correct) - sum(baseline)) / total, "p_value": min(1.0, 2 * tail),
-            "difference_interval": 100.0 * 1.96 * spread}
+    return McNemar(test="McNemar's exact test", wins=wins, losses=losses,
+                   difference=100.0 * (sum(correct) - sum(baseline)) / total, p_value=min(1.0, 2 * tail),
+                   difference_interval=100.0 * 1.96 * spread)
 
 
 def right_or_wrong(predictions: str | Path, gold: list[str]) -> list[bool]:

@@ -290,7 +290,7 @@ def bench_quality(config: QualityConfig, out_dir: str | Path, *, on_event: Event
             for seed in config.seeds:
                 ours, theirs = (_recorded(out_dir, s, seed, "hypotheses") for s in ("xformer", peer))
                 refs = _recorded(out_dir, "xformer", seed, "references")
-                paired[peer].append({"seed": seed, **paired_bleu(ours, theirs, refs)})
+                paired[peer].append({"seed": seed, **paired_bleu(ours, theirs, refs).to_dict()})
     slim = [{k: v for k, v in r.items() if k != "references"} for r in runs]
     return QualityBench(config=vars(config), runs=slim, means=means, paired=paired)
 

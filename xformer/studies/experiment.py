@@ -453,7 +453,7 @@ def _paired(task, mine: dict, base: dict, scored: list) -> dict:
     (`scored`, evaluate.paired_set): the task's paired test of their output files (sacreBLEU's
     paired bootstrap for translation, McNemar's exact test for classification)."""
     p = task.paired_test(mine[task.OUTPUTS], base[task.OUTPUTS], scored)
-    return {"seed": mine["seed"], "difference": p["difference"], "p_value": p["p_value"]}
+    return {"seed": mine["seed"], "difference": p.difference, "p_value": p.p_value}
 
 
 def _one_test_set(experiment: Experiment) -> list:

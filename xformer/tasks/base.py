@@ -42,7 +42,7 @@ from xformer.events import Event
 from xformer.generation.quantize import quantize_model
 from xformer.locks import describe, holder
 from xformer.model.build import build_model
-from xformer.significance import mcnemar, right_or_wrong
+from xformer.significance import McNemar, mcnemar, right_or_wrong
 from xformer.training.checkpoint import load_model_weights, read_checkpoint, read_checkpoint_meta, run_checkpoint
 from xformer.training.cpuload import busy
 from xformer.training.device import Runtime, resolve_runtime
@@ -221,7 +221,7 @@ class Task:
         request = request or EvalRequest()
         return self.scored_set(request.split, request.data)
 
-    def paired_test(self, outputs: str | Path, baseline_outputs: str | Path, scored: list) -> dict:
+    def paired_test(self, outputs: str | Path, baseline_outputs: str | Path, scored: list) -> McNemar:
         """The paired test of two runs' output files (OUTPUTS) on the set both scored: McNemar's
         exact test on which (input, gold label) pairs each got right (xformer.significance)."""
         gold = [label for _, label in scored]

@@ -155,12 +155,12 @@ class ClassificationTask(Task):
             view.grids.append(("confusion (rows: true, columns: predicted)", result.labels,
                                [[label, *row] for label, row in zip(result.labels, result.confusion, strict=True)]))
         if result.paired:
-            p = result.paired
-            view.paired = (f"McNemar's exact test against {p['baseline']}", {
-                "accuracy": f"{p['accuracy']:.2f}", "baseline accuracy": f"{p['baseline_accuracy']:.2f}",
-                "difference": f"{p['difference']:+.2f} +- {p['difference_interval']:.2f} (95%)",
-                "right only here / only in the baseline": f"{p['wins']} / {p['losses']}",
-                "p-value": f"{p['p_value']:.4f}"}, [])
+            paired, p = result.paired, result.paired.outcome
+            view.paired = (f"McNemar's exact test against {paired.baseline}", {
+                "accuracy": f"{paired.accuracy:.2f}", "baseline accuracy": f"{paired.baseline_accuracy:.2f}",
+                "difference": f"{p.difference:+.2f} +- {p.difference_interval:.2f} (95%)",
+                "right only here / only in the baseline": f"{p.wins} / {p.losses}",
+                "p-value": f"{p.p_value:.4f}"}, [])
         return view
 
     def scored_set(self, split: str | None, data: str | None) -> list[tuple]:

@@ -31,7 +31,7 @@ from xformer.generation.ctranslate2_engine import check_export, ctranslate2_ids
 from xformer.generation.decode import DecodeStats, translate_ids
 from xformer.metrics import translation_scores
 from xformer.results import EvalView, TranslationEval
-from xformer.significance import paired_bleu
+from xformer.significance import PairedBleu, paired_bleu
 from xformer.tasks.base import (
     CorpusData,
     EvalRequest,
@@ -321,7 +321,7 @@ class TranslationTask(Task):
         rows = load_split(spec, split or d.test_split, [d.source_lang, d.target_lang], config, complete=True)
         return list(rows[d.target_lang])
 
-    def paired_test(self, outputs: str | Path, baseline_outputs: str | Path, scored: list) -> dict:
+    def paired_test(self, outputs: str | Path, baseline_outputs: str | Path, scored: list) -> PairedBleu:
         """sacreBLEU's paired bootstrap of two runs' hypotheses against the references (xformer.significance)."""
         lines = [Path(f).read_text(encoding="utf-8").splitlines() for f in (outputs, baseline_outputs)]
         return paired_bleu(lines[0], lines[1], scored)
@@ -344,12 +344,11 @@ class TranslationTask(Task):
         view = EvalView(f"{run}: {result.split or result.data}", rows, notes=[result.signature,
                                                                            f"hypotheses: {result.hypotheses}"])
         if result.paired:
-            p = result.paired
-            view.paired = (f"paired bootstrap against {p['baseline']} ({p['samples']} resamples)", {
-                "bleu": f"{p['bleu']:.2f} (mean {p['mean']:.2f} +- {p['interval']:.2f})",
-                "baseline bleu": f"{p['baseline_bleu']:.2f} (mean {p['baseline_mean']:.2f} "
-                                 f"+- {p['baseline_interval']:.2f})",
-                "difference": f"{p['difference']:+.2f}", "p-value": f"{p['p_value']:.4f}"}, [p["signature"]])
+            p = result.paired.outcome
+            view.paired = (f"paired bootstrap against {result.paired.baseline} ({p.samples} resamples)", {
+                "bleu": f"{p.bleu:.2f} (mean {p.mean:.2f} +- {p.interval:.2f})",
+                "baseline bleu": f"{p.baseline_bleu:.2f} (mean {p.baseline_mean:.2f} +- {p.baseline_interval:.2f})",
+                "difference": f"{p.difference:+.2f}", "p-value": f"{p.p_value:.4f}"}, [p.signature])
         return view
 
     def _decoder(self, run_dir: Path, request: EvalRequest) -> _Decoder:
