@@ -64,6 +64,10 @@ Quantize = choices("Quantize", QUANTIZE)
 SetOption = Annotated[list[str], typer.Option(
     "--set", help="Override a recipe value, TOML-typed: --set train.lr=3e-4 (repeatable).")]
 DeviceOption = Annotated[str, typer.Option("--device", help="auto (CUDA when present), cpu, cuda or cuda:N.")]
+ReportOption = Annotated[list[str], typer.Option(
+    "--report-to", help="Also send each log line and validation to a tracker: tensorboard (RUN/tensorboard), wandb "
+                        "or mlflow (repeatable; default: $XFORMER_REPORT_TO, comma-separated; needs the trackers "
+                        "extra).")]
 JsonOption = Annotated[bool, typer.Option("--json", help="Print the result as one JSON object instead of tables.")]
 RunArgument = Annotated[Path, typer.Argument(help="Run directory written by xformer train.")]
 CheckpointOption = Annotated[str | None, typer.Option(

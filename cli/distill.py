@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from xformer_cli.common import DeviceOption, JsonOption, SetOption, choices, user_errors
+from xformer_cli.common import DeviceOption, JsonOption, ReportOption, SetOption, choices, user_errors
 from xformer_cli.train import train
 
 Kind = choices("Kind", ("sequence", "word"))
@@ -30,6 +30,7 @@ def distill(
     max_time: Annotated[float | None, typer.Option("--max-time", help="Stop after MINUTES of training.")] = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue the run in --out.")] = False,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing run directory.")] = False,
+    report_to: ReportOption = [],  # noqa: B006 - typer reads the default, never mutates it
     as_json: JsonOption = False,
 ) -> None:
     """Train the student recipe with [distill] teacher = TEACHER_RUN and kind = --kind: `xformer
@@ -37,4 +38,4 @@ def distill(
     directory, resume and options."""
     sets = [f"distill.teacher={json.dumps(str(teacher))}", f"distill.kind={kind.value}", *overrides]
     train(recipe, out=out, overrides=sets, device=device, precision=None, max_steps=max_steps, max_time=max_time,
-          resume=resume, overwrite=overwrite, as_json=as_json)
+          resume=resume, overwrite=overwrite, report_to=report_to, as_json=as_json)

@@ -10,7 +10,8 @@ from rich.table import Table
 
 from xformer.studies.experiment import load_experiment, run_experiment
 from xformer.studies.grid import GridStopped
-from xformer_cli.common import DeviceOption, JsonOption, stdout, user_errors
+from xformer.training.trackers import requested
+from xformer_cli.common import DeviceOption, JsonOption, ReportOption, stdout, user_errors
 from xformer_cli.display import GridBar
 
 
@@ -31,11 +32,13 @@ def experiment(
                                                           "device); an experiment that times its runs runs them one at "
                                                           "a time.")] = 1,
     device: DeviceOption = "auto",
+    report_to: ReportOption = [],  # noqa: B006 - typer reads the default, never mutates it
     as_json: JsonOption = False,
 ) -> None:
     """Train every cell at every seed (finished runs are kept, stopped ones resume), score each
     on the test split with its best validation checkpoint, then write results.json, results.md
     and results.png with paired tests against the baseline cell."""
+    trackers = requested(report_to)  # one not installed: exit 2 before anything is read
     loaded = load_experiment(spec, overrides)
     out_dir = out or Path("runs") / spec.stem
     bar = GridBar("experiment")
@@ -69,7 +72,8 @@ def experiment(
 
     try:
         with bar:
-            result = run_experiment(loaded, out_dir, device=device, reuse=reuse, on_event=on_event, jobs=jobs)
+            result = run_experiment(loaded, out_dir, device=device, reuse=reuse, on_event=on_event, jobs=jobs,
+                                    report_to=trackers)
     except (KeyboardInterrupt, GridStopped) as stop:
         name = stop.signal if isinstance(stop, GridStopped) else "SIGINT"
         typer.echo(f"stopped by {name}; run the same command again to continue the experiment in {out_dir}", err=True)

@@ -10,7 +10,8 @@ from rich.table import Table
 
 from xformer.studies.grid import GridStopped
 from xformer.studies.longrange import load_sweep, run_sweep
-from xformer_cli.common import DeviceOption, stdout, user_errors
+from xformer.training.trackers import requested
+from xformer_cli.common import DeviceOption, ReportOption, stdout, user_errors
 from xformer_cli.display import GridBar
 
 
@@ -22,9 +23,11 @@ def longrange(
     overrides: Annotated[list[str], typer.Option("--set", help="Override a sweep value: "
                                                                "--set sweep.lengths=[64,128].")] = [],  # noqa: B006
     device: DeviceOption = "auto",
+    report_to: ReportOption = [],  # noqa: B006 - typer reads the default, never mutates it
 ) -> None:
     """Train every model (the Transformer, its variants, the LSTM) at every length and seed
     (rows already done are kept), then write comparison.json, comparison.md and comparison.png."""
+    trackers = requested(report_to)  # one not installed: exit 2 before anything is read
     loaded = load_sweep(sweep, overrides)
     out_dir = out or Path("runs") / sweep.stem
     bar = GridBar("sweep")
@@ -43,7 +46,7 @@ def longrange(
 
     try:
         with bar:
-            comparison = run_sweep(loaded, out_dir, device=device, on_event=on_event)
+            comparison = run_sweep(loaded, out_dir, device=device, on_event=on_event, report_to=trackers)
     except (KeyboardInterrupt, GridStopped) as stop:
         name = stop.signal if isinstance(stop, GridStopped) else "SIGINT"
         typer.echo(f"stopped by {name}; run the same command again to continue the sweep in {out_dir}", err=True)

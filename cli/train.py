@@ -14,7 +14,17 @@ from xformer.config.loading import load_recipe
 from xformer.errors import RecipeError, RunError
 from xformer.train import run
 from xformer.training.cpuload import busy
-from xformer_cli.common import DeviceOption, JsonOption, Precision, SetOption, flags_named, stdout, user_errors
+from xformer.training.trackers import Reporting, requested
+from xformer_cli.common import (
+    DeviceOption,
+    JsonOption,
+    Precision,
+    ReportOption,
+    SetOption,
+    flags_named,
+    stdout,
+    user_errors,
+)
 from xformer_cli.display import TrainDisplay, score_table
 
 PRECISION_HELP = ("Sets train.precision. auto is bf16 on CUDA and on a CPU with native bf16 (AMX, AVX512-BF16), "
@@ -39,6 +49,7 @@ def train(
         "--branch-from", help="Start --out as this run stood at --at-step (a checkpoint train.branch_every kept), "
                               "then train on with RECIPE's values: a cooldown from that step, say.")] = None,
     at_step: Annotated[int | None, typer.Option("--at-step", help="The step of --branch-from to start at.")] = None,
+    report_to: ReportOption = [],  # noqa: B006 - typer reads the default, never mutates it
     as_json: JsonOption = False,
 ) -> None:
     """Train the recipe's model: tokenizer, training with validation, checkpoints, averaging."""
@@ -46,6 +57,7 @@ def train(
         raise RunError("--resume and --overwrite: choose one (continue the run, or replace it)")
     if (branch_from is None) != (at_step is None):
         raise RunError("--branch-from and --at-step go together: the run and the step to start from")
+    trackers = requested(report_to)  # one not installed: exit 2 before anything is read
     sets, flags = list(overrides), {}
     for key, value in (("precision", precision), ("max_steps", max_steps), ("max_time", max_time)):
         if value is not None:
@@ -60,7 +72,7 @@ def train(
     with flags_named("device"), TrainDisplay() as display:
         result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
                      on_event=display if rank == 0 else None, recipe_path=recipe, branch_from=branch_from,
-                     at_step=at_step)
+                     at_step=at_step, reporting=Reporting(trackers))
     if rank != 0:
         return
     best = result.best or {}

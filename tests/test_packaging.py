@@ -36,19 +36,21 @@ def test_ci_runs_exactly_the_readme_test_command():
 
 
 def test_ci_installs_every_extra_pinned():
-    """The export and peer tests need the peers extra: CI installs it (and dev) under a
+    """The export and peer tests need the peers extra, the tracker tests the trackers extra: CI
+    installs them (and dev) under a
     constraints file that pins each of their packages, so no declared package's test skips there
     and no upstream release changes what they check unnoticed."""
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     command = (ROOT / "README.md").read_text().split("<!-- test-command -->", 1)[1].split("```bash\n", 1)[1]
-    assert '".[dev,peers]"' in command.split("\n", 1)[0] and "-c .ci/constraints.txt" in command.split("\n", 1)[0]
+    first = command.split("\n", 1)[0]
+    assert '".[dev,peers,trackers]"' in first and "-c .ci/constraints.txt" in first
     pinned = {}
     for line in (ROOT / ".ci" / "constraints.txt").read_text().splitlines():
         if line and not line.startswith("#"):
             name, version = line.split("==")
             pinned[name.lower().replace("_", "-")] = version
-    declared = [*project["dependencies"], *project["optional-dependencies"]["dev"],
-                *project["optional-dependencies"]["peers"]]
+    declared = [*project["dependencies"], *(r for extra in ("dev", "peers", "trackers")
+                                            for r in project["optional-dependencies"][extra])]
     for requirement in declared:
         name = requirement.split(";")[0].split(">")[0].split("=")[0].split("<")[0].strip().lower()
         if name not in ("torch", "tomli"):  # torch: the CPU wheel .ci/run installs first; tomli: Python < 3.11

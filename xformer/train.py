@@ -56,7 +56,7 @@ from xformer.training.device import Runtime, resolve_runtime
 from xformer.training.distributed import Cluster, cluster_from_env
 from xformer.training.measure import PeakMemory, allocator_peak
 from xformer.training.optim import WsdPlan, build_optimizer, learning_rate
-from xformer.training.progress import LogLine, Progress, StopSignals, append_jsonl, truncate_metrics
+from xformer.training.progress import LogLine, Progress, StopSignals, truncate_metrics
 from xformer.training.resume import (
     branch,
     branch_name,
@@ -68,6 +68,7 @@ from xformer.training.resume import (
 )
 from xformer.training.run_card import RunCard, run_card
 from xformer.training.run_folder import finished_at, remove_temporaries, tokenizer_digest
+from xformer.training.trackers import MetricsLog, Reporting, flat_params
 
 clock = time.perf_counter  # the run's time budget is read from it (tests pass their own)
 PLANNED = {"schedule", "max_steps", "max_epochs", "max_time", "decay_fraction", "patience"}  # a change: plan anew
@@ -116,6 +117,7 @@ def run(
     recipe: Recipe, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
     overwrite: bool = False, on_event: Event | None = None, recipe_path: str | Path | None = None,
     measure_memory: bool = False, branch_from: str | Path | None = None, at_step: int | None = None,
+    reporting: Reporting = Reporting(),
 ) -> TrainResult:
     """Train the recipe's model into `out_dir`; see the module docstring for what is written.
     `recipe_path` is the file the recipe was read from: never written to, and never inside a
@@ -124,6 +126,7 @@ def run(
     it the CPU figure is 0 and CUDA's comes from the allocator's own peak counter.
     `branch_from` / `at_step`: out_dir starts as that run stood at that step (resume.branch),
     and trains on with this recipe's values, recorded as a change at that step.
+    `reporting`: the trackers each log line and validation also go to (xformer.training.trackers).
 
     Started by torchrun (WORLD_SIZE > 1), every process calls this; see xformer.training.distributed."""
     cluster = cluster_from_env(device, recipe.train.accumulate_steps)
@@ -137,14 +140,16 @@ def run(
             (on_event or ignore)("setup", {"message": f"branched from {found} (step {at_step})"})
         cluster.barrier()
         resume = True
+    log, result = MetricsLog(Path(out_dir), reporting, on_event, cluster.writer), None
     try:
         with contextlib.ExitStack() as hold:  # the run folder's lock, once _run takes it
             result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
-                          emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory, hold=hold)
+                          emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory, hold=hold,
+                          log=log)
             while result.stop_reason == "change":  # a recorded change is due: continue as --resume did
                 result = _run(load_run_recipe(out_dir), Path(out_dir), cluster, device=device, resume=True,
                               overwrite=False, emit=on_event or ignore, recipe_path=None,
-                              measure_memory=measure_memory, hold=hold, locked=True)
+                              measure_memory=measure_memory, hold=hold, locked=True, log=log)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -162,6 +167,8 @@ def run(
                        f"--set train.accumulate_steps={cfg.accumulate_steps * 2} (the same step in halves) into a new "
                        f"--out, since a resumed run keeps its batches; {kept}--resume continues it where memory "
                        "allows") from None
+    finally:  # the trackers' runs end with this process's part of the run, however it ends
+        log.close(finished=result is not None and result.stop_reason != "interrupted")
     cluster.close()  # not on an exception: torchrun stops the processes still waiting
     return result
 
@@ -194,6 +201,7 @@ class TrainState:
     memory: object = None  # PeakMemory or allocator_peak
     signals: StopSignals | None = None
     change_at: int | None = None  # a recorded change, replayed: this part ends at its step
+    log: MetricsLog | None = None  # metrics.jsonl and the trackers, open across the parts of a run
 
     @property
     def last(self) -> Path:
@@ -221,6 +229,7 @@ class TrainState:
         progress.others_cpu_seconds += self.others.take()
         progress.peak_memory_mb = max(progress.peak_memory_mb, self.memory.current_peak_mb)
         progress.log_line = self.line.state(now)
+        self.log.flush()  # the trackers hold every record up to the step this checkpoint resumes at
         tensors, extra_meta = self.rt.state()
         meta = {**self.stamp, "progress": asdict(progress), "stop_reason": stop_reason, **extra_meta}
         if branch:
@@ -263,11 +272,12 @@ class TrainState:
 
 def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
          emit: Event, recipe_path: str | Path | None, measure_memory: bool, hold: contextlib.ExitStack,
-         locked: bool = False) -> TrainResult:
+         log: MetricsLog, locked: bool = False) -> TrainResult:
     """One part of a run: all of it, or up to a recorded change (run() goes on from there with
     `locked`: the run folder's lock, in `hold`, is already this process's)."""
     state, point, stop_reason = _open(recipe, out_dir, cluster, device=device, resume=resume, overwrite=overwrite,
                                       emit=emit, recipe_path=recipe_path, hold=hold, locked=locked)
+    state.log = log
     _begin(state, point, resume, measure_memory)
     with state.signals, state.memory:
         while stop_reason is None:
@@ -300,17 +310,8 @@ def _open(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resum
         task.use_teacher(load_run_recipe(recipe.distill.teacher), rt)
     task.load(emit)
     card = run_card(whole, rt, recipe.data.fingerprints())
-    if cluster.writer:
-        removed = prepare_run_dir(out_dir, recipe, **where)
-        if removed:
-            emit("setup", {"message": f"--overwrite removed {', '.join(removed)} from {out_dir}"})
-    emit("setup", {"message": rt.describe() + (f", process {cluster.rank} of {cluster.world}" if cluster.world > 1
-                                               else "")})
-    if rt.warning:
-        emit("warning", {"message": rt.warning})
-    if resume and not resumable:
-        emit("warning", {"message": f"{out_dir}: no checkpoint yet (stopped before its first one): "
-                                    "training from step 0"})
+    removed = prepare_run_dir(out_dir, recipe, **where) if cluster.writer else []
+    _announce(out_dir, cluster, rt, emit, removed, resume and not resumable)
     torch.manual_seed(cfg.seed)
 
     # the tokenizer is trained once, by process 0; the others then read it
@@ -340,6 +341,19 @@ def _open(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resum
     return state, point, stop_reason
 
 
+def _announce(out_dir: Path, cluster: Cluster, rt: Runtime, emit: Event, removed: list[str], restart: bool) -> None:
+    """What setup did and chose: what --overwrite removed, the runtime, a resume from step 0."""
+    if removed:
+        emit("setup", {"message": f"--overwrite removed {', '.join(removed)} from {out_dir}"})
+    emit("setup", {"message": rt.describe() + (f", process {cluster.rank} of {cluster.world}" if cluster.world > 1
+                                               else "")})
+    if rt.warning:
+        emit("warning", {"message": rt.warning})
+    if restart:
+        emit("warning", {"message": f"{out_dir}: no checkpoint yet (stopped before its first one): "
+                                    "training from step 0"})
+
+
 def _check_backend(recipe: Recipe, rt: Runtime) -> None:
     if recipe.model.arch != "lstm" and recipe.model.attention_backend == "flex":
         if flex_unavailable():
@@ -352,9 +366,10 @@ def _check_backend(recipe: Recipe, rt: Runtime) -> None:
 def _begin(state: TrainState, point, resume: bool, measure_memory: bool) -> None:
     """What a (resumed) run writes before its first step, and the plan it trains to."""
     out_dir, progress, whole, cfg = state.out_dir, state.progress, state.whole, state.recipe.train
+    history, logged_to = [], -1
     if state.cluster.writer:
         if resume:
-            truncate_metrics(out_dir / "metrics.jsonl", progress.step)
+            history, logged_to = truncate_metrics(out_dir / "metrics.jsonl", progress.step)
             stray = remove_temporaries(out_dir)
             if stray:
                 state.emit("setup", {"message": f"removed what a killed run left half-written: {', '.join(stray)}"})
@@ -364,6 +379,7 @@ def _begin(state: TrainState, point, resume: bool, measure_memory: bool) -> None
         saved = out_dir / "recipe.toml"  # as resolved, new limits and changes included
         if not saved.is_file() or saved.read_text(encoding="utf-8") != whole.to_toml():
             atomic_write_text(saved, whole.to_toml())
+        state.log.start(history, logged_to, progress.step, flat_params(whole.to_dict()), state.card.to_dict())
     batches = len(state.task.train_batches)
     state.signals = StopSignals()
     state.emit("start", {"steps_per_epoch": batches // cfg.accumulate_steps, "step": progress.step,
@@ -452,8 +468,7 @@ def _log(state: TrainState, stop_reason: str | None, lr: float, now: float, step
         if skips:
             record["skipped"] = skips
             progress.skipped_steps += skips
-        if state.cluster.writer:
-            append_jsonl(state.out_dir / "metrics.jsonl", record)
+        state.log.write(record)
         state.emit("step", {**record, "fraction": state.fraction_done(batches)})
     else:
         state.emit("tick", {"step": progress.step, "fraction": state.fraction_done(batches)})
@@ -493,7 +508,7 @@ def _boundary(state: TrainState, step: tuple, lr: float, started: float, now: fl
                                                 "(a second interrupt stops at once)"})
             if state.cluster.writer:
                 _validate_and_save(state.model, state.recipe, task, state.rt, progress, state.out_dir, state.emit,
-                                   state.elapsed, state.stamp)
+                                   state.elapsed, state.stamp, state.log)
             if not interrupted:
                 reason = _stop_reason(cfg, progress, state.elapsed(), len(task.train_batches))
                 stop_reason, _ = state.cluster.agree(reason, False, torch.zeros((), device=state.rt.device))
@@ -557,8 +572,10 @@ def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int
     return None
 
 
-def _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp) -> None:
-    """Validate; write the step checkpoint (kept for averaging) and, on improvement, the best."""
+def _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp,
+                       log: MetricsLog | None = None) -> None:
+    """Validate; write the step checkpoint (kept for averaging) and, on improvement, the best;
+    the record to `log` (metrics.jsonl and the run's trackers; metrics.jsonl alone by default)."""
     cfg = recipe.train
     # the tuned heap keeps what it frees (xformer.allocator): hand the training step's free pages
     # back before decoding and the decoder's after, so the two are never resident together
@@ -588,5 +605,5 @@ def _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed
             (out_dir / "checkpoints" / progress.kept.pop(0)).unlink(missing_ok=True)
     record["best"] = improved
     progress.history.append(record)
-    append_jsonl(out_dir / "metrics.jsonl", record)
+    (log or MetricsLog(out_dir)).write(record)
     emit("valid", record)

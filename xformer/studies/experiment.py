@@ -77,6 +77,7 @@ from xformer.studies.reuse import copy_run, finished_runs, reused_branch, same_r
 from xformer.tasks import make_task
 from xformer.training.progress import StopSignals
 from xformer.training.run_folder import run_state
+from xformer.training.trackers import Reporting, experiment_reporting
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
 MEASURES = (*SPEEDS, "decode_cache_mb")  # averaged per cell
@@ -234,12 +235,14 @@ def cooldown_start(budget: int, fraction: float) -> int:
 
 
 def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str = "auto",
-                   reuse: list[str | Path] = (), on_event: Event | None = None, jobs: int = 1) -> ExperimentResult:
+                   reuse: list[str | Path] = (), on_event: Event | None = None, jobs: int = 1,
+                   report_to: tuple[str, ...] = ()) -> ExperimentResult:
     """Train and score every run not done yet (copying a finished run of the same recipe from
     the `reuse` folders where there is one), then compare and write the results. One process
     at a time writes to an experiment's folder (xformer.locks). `jobs` > 1 trains that many
     runs at once (_in_parallel), except in an experiment whose checks time its runs: timed runs
-    run alone."""
+    run alone. `report_to`: the trackers each run reports to, grouped under the experiment
+    (xformer.training.trackers.experiment_reporting)."""
     check_grid_dir(Path(out_dir), "experiment.json", "experiment")
     emit = on_event or ignore
     if jobs > 1 and any(check.metric in ("train_speed", "decode_speed") for check in experiment.checks):
@@ -247,12 +250,21 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
                                   "time"})
         jobs = 1
     with FolderLock(out_dir, "experiment"), StopSignals() as stops:
-        return _run_experiment(experiment, Path(out_dir), device=device, reuse=reuse, emit=emit, stops=stops,
-                               jobs=jobs)
+        reporting, parent = experiment_reporting(tuple(report_to), Path(out_dir))
+        finished = False
+        try:
+            result = _run_experiment(experiment, Path(out_dir), device=device, reuse=reuse, emit=emit, stops=stops,
+                                     jobs=jobs, reporting=reporting)
+            finished = True
+            return result
+        finally:
+            if parent is not None:
+                parent.close(finished)
 
 
 def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse: list[str | Path],
-                    emit: Event, stops: StopSignals, jobs: int = 1) -> ExperimentResult:
+                    emit: Event, stops: StopSignals, jobs: int = 1,
+                    reporting: Reporting = Reporting()) -> ExperimentResult:
     finished = finished_runs(reuse, out_dir)
     scored = _one_test_set(experiment)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -264,11 +276,12 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
                                                     and (out_dir / "runs" / f / "eval.json").is_file()
                                                     for f in folders)})
     if jobs > 1:
-        _in_parallel(experiment, out_dir, plan, finished, device=device, jobs=jobs, emit=emit, stops=stops)
+        _in_parallel(experiment, out_dir, plan, finished, device=device, jobs=jobs, emit=emit, stops=stops,
+                     reporting=reporting)
     for index, (cell, seed) in enumerate(plan):
         stop_if_asked(stops)  # a stop that landed while the last run ended or was scored
         rows.update(_train_one(experiment, out_dir, index, cell, seed, device=device, finished=finished, emit=emit,
-                               stops=stops))
+                               stops=stops, reporting=reporting))
     stop_if_asked(stops)
     largest = {key: row for key, row in rows.items() if len(key) == 2}
     curves = None
@@ -294,7 +307,8 @@ def _run_experiment(experiment: Experiment, out_dir: Path, *, device: str, reuse
 
 
 def _train_one(experiment: Experiment, out_dir: Path, index: int, cell: str, seed: int, *, device: str,
-               finished: list, emit: Event, stops: StopSignals | None) -> dict[tuple, dict]:
+               finished: list, emit: Event, stops: StopSignals | None,
+               reporting: Reporting = Reporting()) -> dict[tuple, dict]:
     """The run of `cell` and `seed` (copied by --reuse where it can be), and its curve's
     cooldowns, each trained to the end and scored: their rows."""
     rows: dict[tuple, dict] = {}
@@ -312,7 +326,7 @@ def _train_one(experiment: Experiment, out_dir: Path, index: int, cell: str, see
     diverged = diverged_at(run_dir)  # an earlier attempt's loss stayed non-finite: an outcome, kept
     if state != "trained" and diverged is None:
         try:
-            train_to_end(experiment.recipe(cell, seed), run_dir, device=device,
+            train_to_end(experiment.recipe(cell, seed), run_dir, device=device, reporting=reporting,
                          on_fraction=lambda f: emit("run_progress", {"index": index, "fraction": f}))
         except DivergedError as exc:
             diverged = exc.step
@@ -330,12 +344,12 @@ def _train_one(experiment: Experiment, out_dir: Path, index: int, cell: str, see
         if stops is not None:
             stop_if_asked(stops)
         rows[(cell, seed, budget)] = _branched(experiment, out_dir, cell, seed, budget, rows[(cell, seed)],
-                                               device, emit)
+                                               device, emit, reporting)
     return rows
 
 
 def _in_parallel(experiment: Experiment, out_dir: Path, plan: list[tuple[str, int]], finished: list, *,
-                 device: str, jobs: int, emit: Event, stops: StopSignals) -> None:
+                 device: str, jobs: int, emit: Event, stops: StopSignals, reporting: Reporting) -> None:
     """Train and score the plan's runs `jobs` at a time, each (cell, seed) and its cooldowns in a
     process of its own (`python -m xformer.studies.experiment`) with this process's CPU threads split
     between them (on CUDA, `jobs` processes share the device). The runs they leave are what
@@ -352,7 +366,7 @@ def _in_parallel(experiment: Experiment, out_dir: Path, plan: list[tuple[str, in
                 cell, seed = waiting.pop(0)
                 fields = {"spec": str(experiment.source), "overrides": experiment.overrides, "out": str(out_dir),
                           "cell": cell, "seed": seed, "device": device, "threads": threads,
-                          "reuse": [str(f) for f in finished]}
+                          "reuse": [str(f) for f in finished], "reporting": reporting.to_dict()}
                 log = out_dir / "runs" / f"{run_key(cell, seed)}.job.log"
                 log.parent.mkdir(parents=True, exist_ok=True)
                 with open(log, "w") as stderr:
@@ -386,7 +400,7 @@ def _in_parallel(experiment: Experiment, out_dir: Path, plan: list[tuple[str, in
 
 
 def _branched(experiment: Experiment, out_dir: Path, cell: str, seed: int, budget: int, stable: dict, device: str,
-              emit: Event) -> dict:
+              emit: Event, reporting: Reporting = Reporting()) -> dict:
     """The run of `budget` steps: a cooldown branched from the stable run of its cell and seed
     at the step it starts cooling (cooldown_start), trained and scored like any run."""
     recipe = experiment.recipe(cell, seed, budget)
@@ -401,8 +415,9 @@ def _branched(experiment: Experiment, out_dir: Path, cell: str, seed: int, budge
             emit("reused", {"cell": cell, "seed": seed, "budget": budget, "source": str(source), "rescore": rescore})
     if diverged is None:
         try:
-            train_to_end(recipe, run_dir, device=device, branch=(out_dir / "runs" / run_key(cell, seed),
-                                                               cooldown_start(budget, recipe.train.decay_fraction)),
+            stable_run = out_dir / "runs" / run_key(cell, seed)
+            train_to_end(recipe, run_dir, device=device, reporting=reporting,
+                         branch=(stable_run, cooldown_start(budget, recipe.train.decay_fraction)),
                          on_fraction=lambda f: emit("run_progress", {"index": -1, "fraction": f}))
         except DivergedError as exc:
             diverged = exc.step
@@ -488,7 +503,8 @@ def _job(fields: dict) -> None:
     finished = [Path(f) for f in fields["reuse"]]
     with StopSignals() as stops:
         _train_one(experiment, Path(fields["out"]), -1, fields["cell"], fields["seed"], device=fields["device"],
-                   finished=finished, emit=ignore, stops=stops)
+                   finished=finished, emit=ignore, stops=stops,
+                   reporting=Reporting.from_dict(fields.get("reporting", {})))
 
 
 if __name__ == "__main__":  # python -m xformer.studies.experiment FIELDS_JSON: one job of --jobs N

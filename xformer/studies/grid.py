@@ -17,6 +17,7 @@ from xformer.locks import LOCK
 from xformer.train import run
 from xformer.training.progress import StopSignals
 from xformer.training.run_folder import is_run_dir, run_state
+from xformer.training.trackers import STATE, Reporting
 
 
 class GridStopped(Exception):  # noqa: N818 - a stop asked for, like KeyboardInterrupt, not an error
@@ -35,13 +36,14 @@ def stop_if_asked(stops: StopSignals) -> None:
 
 
 def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Callable[[float], None],
-                 measure_memory: bool = False, branch: tuple[Path, int] | None = None) -> None:
+                 measure_memory: bool = False, branch: tuple[Path, int] | None = None,
+                 reporting: Reporting = Reporting()) -> None:
     """Train the run in run_dir to its budget: from scratch when new, resumed when an earlier
     attempt stopped part way, nothing when it is trained (rundir.run_state). on_fraction gets
     the run's progress, 0..1. A stop signal stops the run with its checkpoint saved and raises
     GridStopped, so the grid stops too, even when it landed on the run's last step;
     DivergedError (non-finite losses) propagates. `branch` = (RUN, STEP): a new run starts as
-    RUN stood at STEP (xformer.train's branches)."""
+    RUN stood at STEP (xformer.train's branches). `reporting`: its trackers (train.run's)."""
     state = run_state(run_dir)
     if state == "trained":
         return
@@ -54,7 +56,7 @@ def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Cal
     fresh = state == "new" and branch is not None and not run_dir.exists()
     result = run(recipe, run_dir, device=device, resume=state == "resume", overwrite=state == "new" and not fresh,
                  on_event=forward, measure_memory=measure_memory, branch_from=branch[0] if fresh else None,
-                 at_step=branch[1] if fresh else None)
+                 at_step=branch[1] if fresh else None, reporting=reporting)
     if result.stop_reason == "interrupted" or result.stop_signal:
         raise GridStopped(result.stop_signal or "SIGINT")
 
@@ -70,7 +72,7 @@ def check_grid_dir(out_dir: Path, pinned: str, command: str) -> None:
     if is_run_dir(out_dir):
         raise RunError(f"{out_dir}: is a training run's folder (xformer train), not one xformer {command} writes; "
                        "choose another --out")
-    if {p.name for p in out_dir.iterdir()} - {LOCK} and not (out_dir / pinned).is_file():
+    if {p.name for p in out_dir.iterdir()} - {LOCK, STATE} and not (out_dir / pinned).is_file():
         raise RunError(f"{out_dir}: not empty and not a folder xformer {command} wrote (no {pinned}); it will not "
                        "write into it: choose another --out")
 

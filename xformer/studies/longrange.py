@@ -54,6 +54,7 @@ from xformer.tasks import make_task, parameter_count
 from xformer.tasks.generated import GeneratedData
 from xformer.training.progress import StopSignals
 from xformer.training.run_folder import run_state
+from xformer.training.trackers import Reporting, experiment_reporting
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -229,16 +230,28 @@ def parameters(recipe: Recipe) -> int:
     return parameter_count(recipe)
 
 
-def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_event: Event | None = None) -> SweepResult:
+def run_sweep(sweep: Sweep, out_dir: str | Path, *, device: str = "auto", on_event: Event | None = None,
+              report_to: tuple[str, ...] = ()) -> SweepResult:
     """Train and score every row not done yet, then write the comparison files; returns
     the comparison (what comparison.json holds). One process at a time writes to a sweep's
-    folder (xformer.locks)."""
+    folder (xformer.locks). `report_to`: the trackers each run reports to, grouped under the
+    sweep (xformer.training.trackers.experiment_reporting)."""
     check_grid_dir(Path(out_dir), "sweep.json", "longrange")
     with FolderLock(out_dir, "longrange"), StopSignals() as stops:
-        return _run_sweep(sweep, Path(out_dir), device=device, emit=on_event or ignore, stops=stops)
+        reporting, parent = experiment_reporting(tuple(report_to), Path(out_dir))
+        finished = False
+        try:
+            result = _run_sweep(sweep, Path(out_dir), device=device, emit=on_event or ignore, stops=stops,
+                                reporting=reporting)
+            finished = True
+            return result
+        finally:
+            if parent is not None:
+                parent.close(finished)
 
 
-def _run_sweep(sweep: Sweep, out_dir: Path, *, device: str, emit: Event, stops: StopSignals) -> SweepResult:
+def _run_sweep(sweep: Sweep, out_dir: Path, *, device: str, emit: Event, stops: StopSignals,
+               reporting: Reporting = Reporting()) -> SweepResult:
     (out_dir / "rows").mkdir(parents=True, exist_ok=True)
     _pin_sweep(sweep, out_dir)
     cfg = sweep.config
@@ -256,6 +269,7 @@ def _run_sweep(sweep: Sweep, out_dir: Path, *, device: str, emit: Event, stops: 
         emit("row_start", {"index": index, "key": key, "model": model, "length": length, "seed": seed,
                            "resume": state == "resume"})
         train_to_end(row_recipe(sweep, model, length, seed), run_dir, device=device, measure_memory=True,
+                     reporting=reporting,
                      on_fraction=lambda f, index=index: emit("row_progress", {"index": index, "fraction": f}))
         trained = json.loads((run_dir / "train.json").read_text())
         test = evaluate_run(run_dir, split="test", checkpoint="best", device=device)

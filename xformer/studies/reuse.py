@@ -90,7 +90,8 @@ def copy_run(source: Path, run_dir: Path, rescored: Recipe | None) -> None:
         except RunError as exc:
             raise RunError(f"--reuse: {exc}; remove that run from the --reuse folders or repair it, and this "
                            "cell's run is trained instead") from None
-    skip = shutil.ignore_patterns("eval", "eval.json") if rescored is not None else None
+    # a copy is its own run to the trackers (--report-to): the source's tracker runs are not its
+    skip = shutil.ignore_patterns("trackers.json", "wandb", *(("eval", "eval.json") if rescored is not None else ()))
     shutil.copytree(source, run_dir, ignore=skip)
     if rescored is not None:
         atomic_write_text(run_dir / "recipe.toml", rescored.to_toml())

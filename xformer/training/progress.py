@@ -102,18 +102,24 @@ def append_jsonl(path: Path, record: dict) -> None:
         f.write(finite_json(record) + "\n")
 
 
-def truncate_metrics(path: Path, step: int) -> None:
+def truncate_metrics(path: Path, step: int) -> tuple[list[dict], int]:
     """On resume, drop records logged after the checkpoint (they are about to be redone) and a
-    line cut short by a kill."""
+    line cut short by a kill. Returns the records kept and the last step the file held (-1:
+    none), which a run's trackers were sent as well (xformer.training.trackers)."""
+    keep, logged_to = [], -1
     if path.is_file():
-        keep = []
+        lines = []
         for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
             try:
-                if json.loads(line)["step"] <= step:
-                    keep.append(line)
+                record = json.loads(line)
+                logged_to = max(logged_to, record["step"])
+                if record["step"] <= step:
+                    keep.append(record)
+                    lines.append(line)
             except (json.JSONDecodeError, KeyError, TypeError):
                 pass
-        atomic_write_text(path, "".join(line + "\n" for line in keep))
+        atomic_write_text(path, "".join(line + "\n" for line in lines))
+    return keep, logged_to
 
 
 # Ctrl-C, `kill`, and a closed terminal or dropped ssh session (SIGHUP, where the OS has it)

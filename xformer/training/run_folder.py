@@ -27,7 +27,8 @@ from xformer.training.checkpoint import read_checkpoint_meta
 MARKER = "xformer-run.json"
 BRANCHED = "branched-from.json"  # where `train --branch-from` took the run from, and at which step
 ARTEFACTS = ("recipe.toml", "tokenizer", "metrics.jsonl", "checkpoints", "train.json", "eval", "eval.json", MARKER,
-             "copied-from.json", BRANCHED)  # copied-from: where `experiment --reuse` copied the run from
+             "copied-from.json", BRANCHED,  # copied-from: where `experiment --reuse` copied the run from
+             "trackers.json", "tensorboard", "wandb")  # --report-to's (xformer.training.trackers)
 
 
 def is_run_dir(path: Path) -> bool:
