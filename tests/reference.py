@@ -95,6 +95,8 @@ def _ffn(w, name, cfg, x):
     h = _linear(w, f"{name}.fc1", x)
     if cfg.ffn == "gelu":
         h = 0.5 * h * (1 + torch.erf(h / math.sqrt(2)))
+    elif cfg.ffn == "silu":
+        h = h / (1 + torch.exp(-h))
     else:
         h = h.clamp(min=0)
     return _linear(w, f"{name}.fc2", h)

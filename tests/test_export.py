@@ -111,3 +111,20 @@ def test_eval_decodes_only_the_runs_own_export_as_it_was_written(trained, corpus
     (tampered / "model.bin").write_bytes((tampered / "model.bin").read_bytes()[:-4] + b"\0\0\0\0")
     refused = runner.invoke(app, ["eval", str(trained), "--beam", "1", "--ctranslate2", str(tampered)])
     assert refused.exit_code == 2 and "model.bin changed, added or missing since export" in refused.stderr
+
+
+def test_a_silu_model_exports_as_marians_swish(corpus, tmp_path):
+    """model.ffn = "silu" is Marian's activation_function = "swish" (the opus-mt models'): the
+    export computes the run's logits."""
+    transformers = need("transformers")
+    run_dir = tmp_path / "silu"
+    run(tiny_recipe(corpus, "train.max_steps=2", "train.valid_every=2", 'model.ffn="silu"'), run_dir, device="cpu")
+    result = runner.invoke(app, ["export", str(run_dir), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert result.exit_code == 0, result.output
+    hf = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
+    assert hf.config.activation_function == "swish"
+    model, _ = make_task(load_run_recipe(run_dir)).open_run(run_dir, "best", "cpu")
+    src, tgt = torch.tensor([[5, 9, 14, 3], [8, 20, 3, 0]]), torch.tensor([[2, 5, 9], [2, 8, 8]])
+    with torch.no_grad():
+        torch.testing.assert_close(hf(input_ids=src, attention_mask=(src != 0).long(), decoder_input_ids=tgt).logits,
+                                   model(src, tgt), atol=1e-4, rtol=1e-4)

@@ -36,6 +36,7 @@ VARIANTS = {
     "rmsnorm-pre-ln-gqa": {"norm": "rmsnorm", "norm_position": "pre", "n_kv_heads": 2},
     "mqa-explicit": {"n_kv_heads": 1, "attention_backend": "explicit"},
     "rope": {"positional": "rope"},
+    "post-ln-silu": {"ffn": "silu"},  # opus-mt's Marian
     "rope-gqa-rmsnorm-pre-ln": {"positional": "rope", "n_kv_heads": 2, "norm": "rmsnorm", "norm_position": "pre",
                                 "ffn": "gelu"},
     "rope-mqa-explicit": {"positional": "rope", "n_kv_heads": 1, "attention_backend": "explicit"},
@@ -110,7 +111,8 @@ def torch_slow_path():
 def torch_transformer(cfg: ModelConfig) -> nn.Transformer:
     """torch.nn.Transformer in cfg's shape; for RMSNorm, torch.nn.RMSNorm in every norm slot."""
     ref = nn.Transformer(D, H, cfg.n_encoder_layers, cfg.n_decoder_layers, FF, dropout=0.0,
-                         activation=cfg.ffn, layer_norm_eps=cfg.norm_eps, batch_first=True,
+                         activation={"silu": nn.functional.silu}.get(cfg.ffn, cfg.ffn),  # torch names relu, gelu
+                         layer_norm_eps=cfg.norm_eps, batch_first=True,
                          norm_first=cfg.norm_position == "pre").eval()
     if cfg.norm == "rmsnorm":
         for layer in [*ref.encoder.layers, *ref.decoder.layers]:

@@ -10,7 +10,7 @@
 
 The mapping is exact for the architecture Marian has: Post-LN LayerNorm layers with biases,
 sinusoidal positions from 0, tokens scaled by sqrt(d_model), multi-head attention (no GQA),
-ReLU or GELU FFNs, full attention, one joint vocabulary with every embedding tied
+ReLU, GELU or SiLU (Marian's swish) FFNs, full attention, one joint vocabulary with every embedding tied
 (model.tie_embeddings = "all"). Anything else is refused with the field that stands in the way.
 
 Marian's sinusoids put every sine in the first half of the features and every cosine in the
@@ -40,6 +40,7 @@ from xformer.training.run_folder import tokenizer_dir
 
 FORMATS = ("hf", "ctranslate2")
 BOS, EOS, PAD, UNK = 2, 3, 0, 1
+MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "silu": "swish"}  # model.ffn -> Marian's activation_function
 
 
 def marian_problems(recipe) -> list[str]:
@@ -51,8 +52,8 @@ def marian_problems(recipe) -> list[str]:
     out = [f"model.{k}: Marian has {v!r}, found {getattr(m, k)!r}" for k, v in wanted.items()
            if getattr(m, k) != v and not (k == "downsample_every" and getattr(m, k) >= m.n_encoder_layers)]
     if m.arch == "seq2seq":
-        if m.ffn not in ("relu", "gelu"):
-            out.append(f"model.ffn: Marian has relu or gelu, found {m.ffn!r}")
+        if m.ffn not in MARIAN_ACTIVATION:
+            out.append(f"model.ffn: Marian has relu, gelu or silu (its swish), found {m.ffn!r}")
         if m.kv_heads != m.n_heads:
             out.append(f"model.n_kv_heads: Marian has one key/value head per query head, found {m.kv_heads}")
         if m.pruned_heads:
@@ -134,7 +135,7 @@ def _write_marian(model, recipe, out: Path, tokenizer: Path) -> None:
     config = MarianConfig(
         vocab_size=vocab, d_model=m.d_model, encoder_layers=m.n_encoder_layers, decoder_layers=m.n_decoder_layers,
         encoder_attention_heads=m.n_heads, decoder_attention_heads=m.n_heads, encoder_ffn_dim=m.d_ff,
-        decoder_ffn_dim=m.d_ff, max_position_embeddings=m.max_positions, activation_function=m.ffn,
+        decoder_ffn_dim=m.d_ff, max_position_embeddings=m.max_positions, activation_function=MARIAN_ACTIVATION[m.ffn],
         dropout=m.dropout, attention_dropout=m.attention_dropout, activation_dropout=m.activation_dropout,
         scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, decoder_start_token_id=BOS, forced_eos_token_id=EOS,

@@ -35,7 +35,7 @@ Arch = Literal["seq2seq", "classifier", "lstm"]
 Positional = Literal["sinusoidal", "learned", "rope", "alibi", "relative", "none"]
 NormPosition = Literal["post", "pre"]
 Norm = Literal["layernorm", "rmsnorm", "none"]
-FFN = Literal["relu", "gelu", "swiglu", "geglu"]
+FFN = Literal["relu", "gelu", "silu", "swiglu", "geglu"]
 AttentionPattern = Literal["full", "sliding_window", "local_global", "strided", "topk", "low_rank", "synthesizer"]
 AttentionBackend = Literal["sdpa", "explicit", "flex"]
 Downsample = Literal["pool", "conv"]
@@ -91,7 +91,7 @@ class ModelConfig:
     # each sublayer's residual connection (He et al. 2016); false: its output replaces its input
     residual: bool = field(default=True, metadata=only_when("arch", "seq2seq", "classifier"))
     norm_eps: float = 1e-5
-    # relu, gelu (Vaswani et al. 2017), or a gated FFN, swiglu / geglu (Shazeer 2020), whose
+    # relu, gelu, silu (Marian's swish), or a gated FFN, swiglu / geglu (Shazeer 2020), whose
     # d_ff is taken as given (2/3 of a plain FFN's d_ff gives it the same parameters)
     ffn: FFN = "relu"
     # which keys a query sees (model/patterns.py): full; sliding_window (|q - k| < window);

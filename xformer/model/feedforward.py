@@ -1,6 +1,7 @@
 """Position-wise feed-forward blocks, one entry per `model.ffn` value.
 
-    relu, gelu     fc2(dropout(act(fc1 x)))                   Vaswani et al. 2017, eq. 2
+    relu, gelu,    fc2(dropout(act(fc1 x)))                   Vaswani et al. 2017, eq. 2
+    silu                                                      (silu = swish, as opus-mt's Marian)
     swiglu, geglu  fc2(dropout(act(fc1 x) * gate x))          Shazeer 2020, arXiv:2002.05202
 
 d_ff is the hidden width as given: a gated block has three (D, d_ff) matrices where the plain
@@ -13,14 +14,15 @@ from torch import Tensor, nn
 
 
 class FeedForward(nn.Module):
-    """The FFN of Vaswani et al. 2017 (arXiv:1706.03762), eq. 2, with ReLU or GELU
-    (Hendrycks & Gimpel 2016, arXiv:1606.08415)."""
+    """The FFN of Vaswani et al. 2017 (arXiv:1706.03762), eq. 2, with ReLU, GELU (Hendrycks &
+    Gimpel 2016, arXiv:1606.08415) or SiLU, x * sigmoid(x) (Ramachandran et al. 2017's swish,
+    arXiv:1710.05941; the opus-mt Marian models')."""
 
     def __init__(self, d_model: int, d_ff: int, activation: str = "relu", dropout: float = 0.0):
         super().__init__()
         self.fc1 = nn.Linear(d_model, d_ff)
         self.fc2 = nn.Linear(d_ff, d_model)
-        self.activation = {"relu": F.relu, "gelu": F.gelu}[activation]
+        self.activation = {"relu": F.relu, "gelu": F.gelu, "silu": F.silu}[activation]
         self.dropout = nn.Dropout(dropout)  # fairseq's activation_dropout
 
     def forward(self, x: Tensor) -> Tensor:  # (..., D) -> (..., D)
@@ -64,4 +66,5 @@ def _gated(activation: str):
 
 
 # One entry per `model.ffn` value: (d_model, d_ff, dropout) -> module.
-FFNS = {"relu": _plain("relu"), "gelu": _plain("gelu"), "swiglu": _gated("silu"), "geglu": _gated("gelu")}
+FFNS = {"relu": _plain("relu"), "gelu": _plain("gelu"), "silu": _plain("silu"), "swiglu": _gated("silu"),
+        "geglu": _gated("gelu")}
