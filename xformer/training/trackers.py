@@ -268,11 +268,9 @@ class MetricsLog:
             held = self._held(name, entry, logged_to)
             try:
                 self._open(name, entry, held, step, params, card)
-            except OSError as exc:
-                if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+            except Exception as exc:  # the tracker's own error (a server not reached, a bad setting), not a full disk
+                if _disk_full(exc):
                     raise
-                raise RunError(f"--report-to {name}: could not start ({_line(exc)}); nothing was trained") from None
-            except Exception as exc:  # the tracker's own error: a server not reached, a bad setting
                 raise RunError(f"--report-to {name}: could not start ({_line(exc)}); nothing was trained") from None
             for record in history:  # what it lacks of the history, in order
                 if record["step"] > self.skip[name]:
@@ -334,11 +332,9 @@ class MetricsLog:
         the run's to report (train's disk-full rule)."""
         try:
             call()
-        except OSError as exc:
-            if exc.errno in (errno.ENOSPC, errno.EDQUOT):
-                raise
-            self._drop(name, exc)
         except Exception as exc:
+            if _disk_full(exc):
+                raise
             self._drop(name, exc)
 
     def _drop(self, name: str, exc: BaseException) -> None:
@@ -361,6 +357,10 @@ class MetricsLog:
     def _save(self) -> None:
         if self.state:  # a run never reported from has none
             atomic_write_text(self.out_dir / STATE, json.dumps(self.state, indent=2) + "\n")
+
+
+def _disk_full(exc: BaseException) -> bool:
+    return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
 
 def _line(exc: BaseException) -> str:
