@@ -45,7 +45,8 @@ from pathlib import Path
 
 from xformer.errors import RunError
 from xformer.events import Event
-from xformer.files import atomic_write_text, finite_json
+from xformer.files import atomic_write_text
+from xformer.training.progress import append_jsonl
 
 ENV = "XFORMER_REPORT_TO"
 STATE = "trackers.json"
@@ -258,8 +259,7 @@ class MetricsLog:
         if self.started or not self.writer:
             return
         self.started = True
-        path = self.out_dir / STATE
-        self.state = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        self.state = read_state(self.out_dir)
         for name, entry in self.state.items():  # reported to before, not now: it holds what it kept
             if name not in self.reporting.to and entry.get("active"):
                 entry.update(active=False, held=self._held(name, entry, logged_to))
@@ -300,8 +300,7 @@ class MetricsLog:
         """One record: appended to metrics.jsonl, then sent to each tracker not holding its step."""
         if not self.writer:
             return
-        with (self.out_dir / "metrics.jsonl").open("a", encoding="utf-8") as f:
-            f.write(finite_json(record) + "\n")
+        append_jsonl(self.out_dir / "metrics.jsonl", record)
         values = scalars(record)
         for name, tracker in list(self.trackers.items()):
             if record["step"] > self.skip[name]:
@@ -359,6 +358,12 @@ class MetricsLog:
             atomic_write_text(self.out_dir / STATE, json.dumps(self.state, indent=2) + "\n")
 
 
+def read_state(folder: Path) -> dict[str, dict]:
+    """FOLDER/trackers.json: each tracker's run id and the last step it holds (none: {})."""
+    path = folder / STATE
+    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+
+
 def _disk_full(exc: BaseException) -> bool:
     return isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT)
 
@@ -373,13 +378,12 @@ def experiment_reporting(to: tuple[str, ...], out_dir: Path) -> tuple[Reporting,
     as children of one run (kept in EXP/trackers.json) that the caller closes at the end."""
     parent = None
     if "mlflow" in to:
-        path = out_dir / STATE
-        state = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+        state = read_state(out_dir)
         try:  # named as the experiment, in the store beside its runs
             parent = MLflow(out_dir / "runs" / out_dir.name, {}, {"experiment": str(out_dir)},
                             state.setdefault("mlflow", {}), None)
         except Exception as exc:
             raise RunError(f"--report-to mlflow: could not start ({_line(exc)}); nothing was trained") from None
         out_dir.mkdir(parents=True, exist_ok=True)
-        atomic_write_text(path, json.dumps(state, indent=2) + "\n")
+        atomic_write_text(out_dir / STATE, json.dumps(state, indent=2) + "\n")
     return Reporting(to, out_dir.name, parent.run_id if parent else None), parent
