@@ -19,6 +19,7 @@ from xformer_cli.evaluate import evaluate, translate
 from xformer_cli.experiment import experiment
 from xformer_cli.export import export
 from xformer_cli.heads import inspect_heads_command
+from xformer_cli.importing import import_app
 from xformer_cli.longrange import longrange
 from xformer_cli.tokenizing import tokenize
 from xformer_cli.train import train
@@ -72,4 +73,5 @@ app.command("claims", cls=Command)(claims)
 app.command("inspect-heads", cls=Command)(inspect_heads_command)
 app.command("average", cls=Command)(average)
 app.command("export", cls=Command)(export)
+app.add_typer(import_app, name="import")
 app.add_typer(bench_app, name="bench")

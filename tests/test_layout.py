@@ -19,7 +19,8 @@ LAYERS = [
     ["xformer.generation"],
     ["xformer.tasks"],
     ["xformer.heads"],
-    ["xformer.train", "xformer.evaluate", "xformer.tokenizing", "xformer.check", "xformer.export"],
+    ["xformer.train", "xformer.evaluate", "xformer.tokenizing", "xformer.check", "xformer.export",
+     "xformer.importing"],
     ["xformer.studies", "xformer.bench"],
     ["xformer"],  # the package's __init__: the library's front door
 ]

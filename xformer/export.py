@@ -41,6 +41,9 @@ from xformer.training.run_folder import tokenizer_dir
 FORMATS = ("hf", "ctranslate2")
 BOS, EOS, PAD, UNK = 2, 3, 0, 1
 MARIAN_ACTIVATION = {"relu": "relu", "gelu": "gelu", "silu": "swish"}  # model.ffn -> Marian's activation_function
+# the one embedding matrix of a model with every embedding tied, under each of Marian's names for it
+EMBEDDINGS = ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
+              "lm_head.weight")
 
 
 def marian_problems(recipe) -> list[str]:
@@ -219,36 +222,30 @@ def _xformer_marian_loader():
         ct2._MODEL_LOADERS["MarianConfig"] = original
 
 
-def _marian_tensors(model, order: torch.Tensor) -> dict[str, torch.Tensor]:
-    """xformer's weights under Marian's names, every d_model axis permuted by `order`."""
-    out: dict[str, torch.Tensor] = {}
-
-    def rows(t):  # d_model on the output axis
-        return t.detach()[order].clone()
-
-    def cols(t):  # d_model on the input axis
-        return t.detach()[:, order].clone()
+def marian_names(model) -> list[tuple[str, torch.Tensor, str]]:
+    """(Marian's name, the xformer tensor it holds, where its d_model axis is: "rows" (output),
+    "cols" (input) or "" (none)) for every tensor a MarianMTModel has; the tied embedding
+    appears under all four of Marian's names. Export writes them (permuted by feature_order),
+    xformer.importing reads them back."""
+    out: list[tuple[str, torch.Tensor, str]] = []
 
     def attention(prefix, module):
         for proj in ("q_proj", "k_proj", "v_proj"):
             linear = getattr(module, proj)
-            # cloned: with model.qkv = "shared" the three are one tensor, and a file holds each once
-            out[f"{prefix}.{proj}.weight"] = cols(linear.weight)
-            out[f"{prefix}.{proj}.bias"] = linear.bias.detach().clone()
-        out[f"{prefix}.out_proj.weight"], out[f"{prefix}.out_proj.bias"] = rows(module.out_proj.weight), \
-            rows(module.out_proj.bias)
+            out.extend([(f"{prefix}.{proj}.weight", linear.weight, "cols"), (f"{prefix}.{proj}.bias", linear.bias, "")])
+        out.extend([(f"{prefix}.out_proj.weight", module.out_proj.weight, "rows"),
+                    (f"{prefix}.out_proj.bias", module.out_proj.bias, "rows")])
 
     def norm(prefix, module):
-        out[f"{prefix}.weight"], out[f"{prefix}.bias"] = rows(module.weight), rows(module.bias)
+        out.extend([(f"{prefix}.weight", module.weight, "rows"), (f"{prefix}.bias", module.bias, "rows")])
 
     def ffn(prefix, module):
-        out[f"{prefix}.fc1.weight"], out[f"{prefix}.fc1.bias"] = cols(module.fc1.weight), module.fc1.bias.detach()
-        out[f"{prefix}.fc2.weight"], out[f"{prefix}.fc2.bias"] = rows(module.fc2.weight), rows(module.fc2.bias)
+        out.extend([(f"{prefix}.fc1.weight", module.fc1.weight, "cols"), (f"{prefix}.fc1.bias", module.fc1.bias, ""),
+                    (f"{prefix}.fc2.weight", module.fc2.weight, "rows"),
+                    (f"{prefix}.fc2.bias", module.fc2.bias, "rows")])
 
-    embedding = cols(model.encoder.embed.embedding.weight)
-    for name in ("model.shared.weight", "model.encoder.embed_tokens.weight", "model.decoder.embed_tokens.weight",
-                 "lm_head.weight"):
-        out[name] = embedding
+    embedding = model.encoder.embed.embedding.weight
+    out.extend((name, embedding, "cols") for name in EMBEDDINGS)
     for i, layer in enumerate(model.encoder.layers):
         p = f"model.encoder.layers.{i}"
         attention(f"{p}.self_attn", layer.self_attn)
@@ -264,3 +261,10 @@ def _marian_tensors(model, order: torch.Tensor) -> dict[str, torch.Tensor]:
         ffn(p, layer.ffn)
         norm(f"{p}.final_layer_norm", layer.ffn_norm)
     return out
+
+
+def _marian_tensors(model, order: torch.Tensor) -> dict[str, torch.Tensor]:
+    """xformer's weights under Marian's names, every d_model axis permuted by `order` (cloned:
+    with model.qkv = "shared" the three projections are one tensor, and a file holds each once)."""
+    permute = {"rows": lambda t: t[order], "cols": lambda t: t[:, order], "": lambda t: t}
+    return {name: permute[axis](tensor.detach()).clone() for name, tensor, axis in marian_names(model)}

@@ -363,13 +363,15 @@ def checkpoint_identity(run_dir: Path, checkpoint: str) -> tuple[dict, str]:
     writer = holder(run_dir)
     if writer is not None:
         why = f"the run is still training ({describe(writer)})"
-    elif not summary.is_file():
+    elif not summary.is_file() and "imported" not in meta:  # an imported model is final as it came
         why = "the run has not finished (no train.json: stopped before its end)"
-    elif json.loads(summary.read_text()).get("stop_reason") == "interrupted":
+    elif summary.is_file() and json.loads(summary.read_text()).get("stop_reason") == "interrupted":
         why = "the run was stopped part way (--resume finishes it)"
     else:
         why = ""
     identity = {"name": checkpoint, "step": step, "sha256": meta.get("sha256"), "final": not why}
+    if "imported" in meta:  # where the model came from, its licence and attribution (xformer.importing)
+        identity["imported"] = {k: meta["imported"].get(k) for k in ("source", "revision", "licence", "attribution")}
     return identity, (f"{run_dir}: checkpoint '{checkpoint}' (step {step}) is not the run's final one: {why}; "
                       "this score is of the checkpoint as it is now" if why else "")
 

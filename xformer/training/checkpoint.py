@@ -182,6 +182,8 @@ def average_run(run_dir: str | Path, last: int, name: str | None = None) -> Aver
         raise RunError(f"{run_dir}: {'no such run directory' if not Path(run_dir).exists() else 'no checkpoints/ here'}"
                        "; expected a run directory written by xformer train")
     steps = sorted(folder.glob("step_*.safetensors"))
+    if not steps and (Path(run_dir) / "imported-from.json").is_file():  # run_folder.IMPORTED
+        raise RunError(f"{run_dir}: an imported model has one checkpoint (best) and no step checkpoints to average")
     if last < 1:
         raise RunError(f"last = {last}: expected at least 1 checkpoint")
     if len(steps) < last:

@@ -26,8 +26,9 @@ from xformer.training.checkpoint import read_checkpoint_meta
 
 MARKER = "xformer-run.json"
 BRANCHED = "branched-from.json"  # where `train --branch-from` took the run from, and at which step
+IMPORTED = "imported-from.json"  # where `xformer import` took the model from (xformer.importing)
 ARTEFACTS = ("recipe.toml", "tokenizer", "metrics.jsonl", "checkpoints", "train.json", "eval", "eval.json", MARKER,
-             "copied-from.json", BRANCHED,  # copied-from: where `experiment --reuse` copied the run from
+             "copied-from.json", BRANCHED, IMPORTED,  # copied-from: where `experiment --reuse` copied the run from
              "trackers.json", "tensorboard", "wandb")  # --report-to's (xformer.training.trackers)
 
 

@@ -1,0 +1,219 @@
+"""xformer import hf: export then import is the identity; a MarianMTModel built and trained by HF
+transformers imports and gives HF's logits and HF's greedy and beam `generate` output; the
+imported run goes through eval, inspect-heads with pruning and export; what xformer cannot
+represent (opus-mt's ids) and pickled code are refused in one line."""
+
+import json
+import pickle
+import shutil
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from tests.extras import need
+from tests.test_train import tiny_recipe
+from xformer.config.loading import load_run_recipe
+from xformer.data.corpus import load_split
+from xformer.data.tokenizer import train_tokenizer
+from xformer.generation.decode import beam_search, greedy_decode
+from xformer.importing import import_hf
+from xformer.tasks import make_task
+from xformer.train import run
+from xformer.training.checkpoint import read_checkpoint
+from xformer_cli.main import app
+
+runner = CliRunner()
+SENTENCES = ["Ein Hund rennt im Schnee.", "Zwei Männer spielen Fußball auf einer Wiese.", "Eine Frau liest."]
+
+
+@pytest.fixture(scope="module")
+def trained(corpus, tmp_path_factory):
+    """A tiny run that ends its sentences: 100 steps on the corpus with every English side cut to
+    its first three words (the full sentences take a tiny model hundreds of steps to end)."""
+    short = tmp_path_factory.mktemp("short")
+    for name in ("train", "val", "test"):
+        rows = [json.loads(line) for line in (corpus / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()]
+        lines = [json.dumps({**r, "en": " ".join(r["en"].split()[:3])}, ensure_ascii=False) for r in rows]
+        (short / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    out = tmp_path_factory.mktemp("runs") / "tiny"
+    run(tiny_recipe(short, "train.max_steps=100", "train.valid_every=100"), out, device="cpu")
+    return out
+
+
+@pytest.fixture(scope="module")
+def hf_marian(corpus, tmp_path_factory):
+    """A MarianMTModel made by transformers from a MarianConfig with random weights (swish; std 1
+    rather than 0.02, so the next-token distributions are peaked enough for an argmax to be
+    decided, not a near-tie), with a MarianTokenizer over a sentencepiece model of xformer's
+    ids, saved as from_pretrained reads it."""
+    transformers = need("transformers")
+    import sentencepiece
+
+    folder = tmp_path_factory.mktemp("hf-marian")
+    spm_dir = folder / "spm"
+    train_tokenizer(load_split(str(corpus), "train", ["de", "en"]), "de", "en", spm_dir, model_type="unigram",
+                    vocab_size=300, joint=True, character_coverage=1.0, byte_fallback=False)
+    spm = spm_dir / "spm.model"
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(spm))
+    vocab = {processor.id_to_piece(i): i for i in range(processor.get_piece_size())}
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    tokenizer = transformers.MarianTokenizer(str(spm), str(spm), str(folder / "vocab.json"), source_lang="de",
+                                             target_lang="en", unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
+    config = transformers.MarianConfig(
+        vocab_size=len(vocab), d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=256,
+        activation_function="swish", dropout=0.0, scale_embedding=True, share_encoder_decoder_embeddings=True,
+        pad_token_id=0, eos_token_id=3, bos_token_id=2, decoder_start_token_id=2, forced_eos_token_id=None,
+        init_std=1.0)
+    torch.manual_seed(3)
+    hf_dir = folder / "hf"
+    transformers.MarianMTModel(config).eval().save_pretrained(hf_dir, safe_serialization=True)
+    tokenizer.save_pretrained(hf_dir)
+    return hf_dir
+
+
+def hf_generate(hf, src, mask, beam: int) -> list[list[int]]:
+    """transformers' generate as xformer searches: no sampling, pad and BOS never generated,
+    EOS and padding dropped from what it returns."""
+    generated = hf.generate(input_ids=src, attention_mask=mask, num_beams=beam, do_sample=False, max_new_tokens=25,
+                            length_penalty=1.0, early_stopping=True, suppress_tokens=[0, 2], forced_eos_token_id=None)
+    return [[t for t in row[1:].tolist() if t not in (0, 3)] for row in generated]
+
+
+def model_tensors(run_dir):
+    tensors, meta = read_checkpoint(run_dir / "checkpoints" / "best.safetensors")
+    return {k: v for k, v in tensors.items() if k.startswith("model.")}, meta
+
+
+def test_export_then_import_is_the_identity(trained, corpus, tmp_path):
+    need("transformers")
+    exported, imported = tmp_path / "hf", tmp_path / "back"
+    assert runner.invoke(app, ["export", str(trained), "--out", str(exported)]).exit_code == 0
+    result = runner.invoke(app, ["import", "hf", str(exported), "--out", str(imported),
+                                 "--set", f"data.dataset={json.dumps(str(corpus))}"])
+    assert result.exit_code == 0, result.output
+    ours, _ = model_tensors(trained)
+    theirs, meta = model_tensors(imported)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)  # bitwise
+    assert (imported / "tokenizer" / "spm.model").read_bytes() == (trained / "tokenizer" / "spm.model").read_bytes()
+    assert load_run_recipe(imported).model == load_run_recipe(trained).model
+    record = json.loads((imported / "imported-from.json").read_text())
+    assert record["source"] == str(exported.resolve()) and meta["imported"] == record
+    assert set(record["files"]) >= {"config.json", "model.safetensors", "source.spm", "vocab.json"}
+
+    scored = runner.invoke(app, ["eval", str(imported), "--beam", "1", "--json"])
+    assert scored.exit_code == 0, scored.output
+    card = json.loads(scored.stdout)["card"]["checkpoint"]
+    assert card["final"] and card["imported"]["source"] == str(exported.resolve())
+    assert "not the run's final one" not in scored.stderr
+
+    refused = runner.invoke(app, ["average", str(imported), "--last", "2"])
+    assert refused.exit_code == 2 and "an imported model has one checkpoint" in refused.stderr
+    again = runner.invoke(app, ["import", "hf", str(exported), "--out", str(imported)])  # never over a run
+    assert again.exit_code == 2 and "exists and is not an empty directory" in again.stderr
+    assert model_tensors(imported)[0].keys() == theirs.keys()
+
+
+def test_a_marian_made_by_transformers_computes_as_transformers_does(hf_marian, tmp_path):
+    """Random weights: the logits, and greedy search, which decides by argmax alone (a random model
+    rarely ends a sentence, so both stop at the length cap: xformer forces EOS there, transformers
+    stops)."""
+    transformers = need("transformers")
+    out = import_hf(hf_marian, tmp_path / "run")
+    recipe = load_run_recipe(out)
+    assert (recipe.model.ffn, recipe.model.d_model, recipe.data.source_lang) == ("silu", 32, "de")
+    task = make_task(recipe)
+    model, _ = task.open_run(out, "best", "cpu")
+    hf = transformers.MarianMTModel.from_pretrained(hf_marian).eval()
+    tokenizer = transformers.MarianTokenizer.from_pretrained(hf_marian)
+    theirs = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    ours = [ids + [3] for ids in task.tokenizer.encode(SENTENCES, "source")]
+    assert [row[: len(o)] for row, o in zip(theirs.input_ids.tolist(), ours, strict=True)] == ours
+    src, mask = theirs.input_ids, theirs.attention_mask
+    tgt = torch.tensor([[2, 5, 9, 14, 7], [2, 8, 8, 20, 11], [2, 40, 3, 0, 0]])
+    # std-1 weights make logits of ~30, so they are compared in float64, to 1e-5 of their scale (the
+    # two sinusoid tables are computed in float32 by different formulas)
+    hf, model = hf.double(), model.double()
+    with torch.no_grad():
+        expected = hf(input_ids=src, attention_mask=mask, decoder_input_ids=tgt).logits
+        torch.testing.assert_close(model(src, tgt), expected, rtol=0, atol=1e-5 * expected.abs().max().item())
+        assert hf_generate(hf, src, mask, 1) == greedy_decode(model, src, max_len_a=0.0, max_len_b=25)
+
+
+def test_a_trained_export_searches_as_transformers_does(trained, tmp_path):
+    """A model that ends its sentences, exported and imported back: greedy
+    and beam search give transformers' generate output, sentence for sentence."""
+    transformers = need("transformers")
+    assert runner.invoke(app, ["export", str(trained), "--out", str(tmp_path / "hf")]).exit_code == 0
+    out = import_hf(tmp_path / "hf", tmp_path / "run")
+    task = make_task(load_run_recipe(out))
+    model, _ = task.open_run(out, "best", "cpu")
+    hf = transformers.MarianMTModel.from_pretrained(tmp_path / "hf").eval()
+    theirs = transformers.MarianTokenizer.from_pretrained(tmp_path / "hf")(SENTENCES, padding=True,
+                                                                            return_tensors="pt")
+    src, mask = theirs.input_ids, theirs.attention_mask
+    with torch.no_grad():
+        greedy = greedy_decode(model, src, max_len_a=0.0, max_len_b=24)
+        beamed = beam_search(model, src, beam=4, lenpen=1.0, max_len_a=0.0, max_len_b=24)
+        assert max(len(h) for h in greedy + beamed) < 24  # ended by the model, not the cap
+        assert hf_generate(hf, src, mask, 1) == greedy
+        assert hf_generate(hf, src, mask, 4) == beamed
+
+
+def test_an_imported_model_goes_through_inspect_heads_with_pruning_and_export(hf_marian, corpus, tmp_path):
+    need("transformers")
+    out = import_hf(hf_marian, tmp_path / "run", overrides=[f"data.dataset={json.dumps(str(corpus))}"])
+    heads = runner.invoke(app, ["inspect-heads", str(out), "--n-examples", "8", "--prune", "--json"])
+    assert heads.exit_code == 0, heads.output
+    report = json.loads(heads.stdout)
+    assert report["pruning"] and len(report["heads"]) == 2 * 4 + 2 * 4 * 2  # encoder self, decoder self + cross
+    exported = runner.invoke(app, ["export", str(out), "--out", str(tmp_path / "again")])
+    assert exported.exit_code == 0, exported.output
+    back = import_hf(tmp_path / "again", tmp_path / "back")
+    assert all(torch.equal(a, b) for a, b in zip(model_tensors(out)[0].values(), model_tensors(back)[0].values(),
+                                                  strict=True))
+
+
+def test_opus_mt_ids_and_untied_embeddings_are_refused_by_field(hf_marian, tmp_path):
+    folder = tmp_path / "opus-shaped"
+    shutil.copytree(hf_marian, folder)
+    config = json.loads((folder / "config.json").read_text())
+    last = config["vocab_size"] - 1
+    config |= {"pad_token_id": last, "decoder_start_token_id": last, "eos_token_id": 0,
+               "share_encoder_decoder_embeddings": False}
+    (folder / "config.json").write_text(json.dumps(config))
+    result = runner.invoke(app, ["import", "hf", str(folder), "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    lines = result.stderr.splitlines()
+    for field in ("pad_token_id", "decoder_start_token_id", "eos_token_id", "share_encoder_decoder_embeddings"):
+        assert any(f"config.json: {field}" in line for line in lines), field
+    assert not (tmp_path / "run").exists()
+
+
+class _Payload:
+    def __reduce__(self):
+        return (print, ("this ran while loading",))
+
+
+def test_pickled_weights_load_as_tensors_only(hf_marian, tmp_path, capsys):
+    need("transformers")
+    from safetensors.torch import load_file
+
+    plain = tmp_path / "bin"
+    shutil.copytree(hf_marian, plain)
+    weights = load_file(str(plain / "model.safetensors"))
+    (plain / "model.safetensors").unlink()
+    torch.save(weights, plain / "pytorch_model.bin")
+    a = import_hf(plain, tmp_path / "from-bin")
+    b = import_hf(hf_marian, tmp_path / "from-safetensors")
+    assert all(torch.equal(x, y) for x, y in zip(model_tensors(a)[0].values(), model_tensors(b)[0].values(),
+                                                  strict=True))
+
+    hostile = tmp_path / "hostile"
+    shutil.copytree(plain, hostile)
+    with open(hostile / "pytorch_model.bin", "wb") as f:
+        pickle.dump({"model.shared.weight": _Payload()}, f)
+    result = runner.invoke(app, ["import", "hf", str(hostile), "--out", str(tmp_path / "run")])
+    assert result.exit_code == 2 and "refused: not tensors alone" in result.stderr
+    assert "this ran while loading" not in capsys.readouterr().out + result.output

@@ -1,0 +1,291 @@
+"""Import a Hugging Face MarianMTModel as an xformer run (`xformer import hf`): export's inverse.
+
+    import_hf("runs/exported-hf", "runs/imported")            a folder from_pretrained reads
+    import_hf("Helsinki-NLP/opus-mt-de-en", "runs/opus")       a Hub id (downloaded; needs a network)
+
+The run folder holds what a trained run holds for eval, translate, inspect-heads and export:
+recipe.toml, tokenizer/spm.model, checkpoints/best.safetensors, and imported-from.json (where
+the model came from: the Hub id and revision or the folder, every file's sha256, the licence
+and attribution its model card states). Nothing is trained; no train.json is written.
+
+Every tensor maps exactly (xformer.export.marian_names, the feature permutation undone), and
+only tensors and JSON are read: safetensors, or a pytorch_model.bin through
+torch.load(weights_only=True); a config asking for remote code is refused. A model xformer
+cannot represent is refused with the config field, file or tensor that stands in the way.
+Supported today: one joint sentencepiece vocabulary whose ids are its vocab.json's, pad 0, unk 1,
+BOS 2 (the decoder's start) and EOS 3, every embedding tied, no final_logits_bias: what
+`xformer export --format hf` writes. opus-mt's layout (EOS 0, pad last and the decoder's start,
+two sentencepiece models over one vocab.json) is refused by field until its conventions are
+fields of xformer's own.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+import sentencepiece
+import torch
+from safetensors.torch import load_file
+
+from xformer.config.loading import recipe_from_dict
+from xformer.config.schema import Recipe
+from xformer.errors import RunError
+from xformer.export import EMBEDDINGS, MARIAN_ACTIVATION, feature_order, marian_names
+from xformer.tasks import make_task
+from xformer.training.checkpoint import save_checkpoint
+from xformer.training.run_folder import IMPORTED, mark_run_dir, tokenizer_digest
+
+SPECIAL = {"pad_token_id": 0, "eos_token_id": 3, "decoder_start_token_id": 2}  # xformer's ids (data/tokenizer.py)
+FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "vocab.json", "source.spm", "target.spm",
+         "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "README.md", "LICENSE")
+ACTIVATION = {marian: ffn for ffn, marian in MARIAN_ACTIVATION.items()}  # Marian's activation_function -> model.ffn
+UNUSED = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")  # sinusoids, recomputed
+
+
+def import_hf(source: str | Path, out_dir: str | Path, *, base: Recipe | None = None,
+              overrides: list[str] = ()) -> Path:
+    """Write the MarianMTModel at `source` (a local folder, or a Hub id when no such folder
+    exists) as the run `out_dir` (new or empty; written in a temporary sibling, then renamed).
+    [model] comes from the checkpoint's config; [data], [train] and [eval] from `base` (default:
+    xformer's defaults, with the languages of tokenizer_config.json) and `overrides`."""
+    out_dir = Path(out_dir)
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise RunError(f"out {out_dir}: exists and is not an empty directory; choose a new one")
+    if any(o.split("=", 1)[0].strip().startswith("model.") for o in overrides):
+        raise RunError("--set model.*: an imported model's [model] is its checkpoint's; set [data], [train] or [eval]")
+    folder, origin = _resolve(str(source))
+    config = _json(folder / "config.json")
+    problems = import_problems(config, folder)
+    if problems:
+        raise RunError([f"{folder}: cannot be an xformer run: {p}" for p in problems])
+    recipe = _recipe(config, _json(folder / "tokenizer_config.json", missing={}),
+                     _json(folder / "generation_config.json", missing={}), base, overrides)
+    tensors = read_weights(folder)
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        _write_run(staging, folder, recipe, tensors, {**origin, **_provenance(folder)})
+        if out_dir.exists():
+            out_dir.rmdir()  # empty, checked above
+        staging.rename(out_dir)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return out_dir
+
+
+def _resolve(source: str) -> tuple[Path, dict]:
+    """(the local folder holding the model, {"source", "revision"}): `source` itself when it is
+    a folder, else the Hub's snapshot of the model id `source` (its commit as the revision)."""
+    path = Path(source)
+    if path.is_dir():
+        return path, {"source": str(path.resolve()), "revision": None}
+    if path.exists() or not re.fullmatch(r"[\w.-]+/[\w.-]+", source):
+        raise RunError(f"{source}: not a folder holding a MarianMTModel, nor a Hub model id (owner/name)")
+    from huggingface_hub import snapshot_download  # datasets' own dependency
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    try:
+        folder = Path(snapshot_download(source, allow_patterns=list(FILES)))
+    except (RepositoryNotFoundError, LocalEntryNotFoundError, HfHubHTTPError, OSError) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise RunError(f"{source}: cannot download from the Hugging Face Hub ({reason})") from None
+    return folder, {"source": f"https://huggingface.co/{source}", "revision": folder.name}
+
+
+def _json(path: Path, missing: dict | None = None) -> dict:
+    if not path.is_file():
+        if missing is not None:
+            return missing
+        raise RunError(f"{path}: no such file; a MarianMTModel folder holds its config.json")
+    try:
+        value = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RunError(f"{path}: not JSON ({exc})") from None
+    if not isinstance(value, dict):
+        raise RunError(f"{path}: expected a JSON object, found {type(value).__name__}")
+    return value
+
+
+def import_problems(config: dict, folder: Path) -> list[str]:
+    """Why the checkpoint in `folder` (its config.json as `config`) cannot be an xformer run
+    today, each naming the field, file or tensor (empty: it can)."""
+    out = []
+    if config.get("model_type") != "marian":
+        out.append(f"config.json: model_type {config.get('model_type')!r}, expected 'marian' (a MarianMTModel)")
+        return out
+    if "auto_map" in config:
+        out.append("config.json: auto_map asks for the model's own code; xformer never runs code from a checkpoint")
+    pairs = (("decoder_attention_heads", "encoder_attention_heads", "model.n_heads"),
+             ("decoder_ffn_dim", "encoder_ffn_dim", "model.d_ff"))
+    for theirs, ours, field in pairs:
+        if config.get(theirs) != config.get(ours):
+            out.append(f"config.json: {theirs} {config.get(theirs)} differs from {ours} {config.get(ours)}; "
+                       f"{field} is one number for both")
+    if config.get("activation_function") not in ACTIVATION:
+        out.append(f"config.json: activation_function {config.get('activation_function')!r}; model.ffn has "
+                   f"{', '.join(repr(a) for a in ACTIVATION)}")
+    for key in ("share_encoder_decoder_embeddings", "tie_word_embeddings"):
+        if config.get(key, True) is not True:
+            out.append(f"config.json: {key} false; model.tie_embeddings = 'all' (one matrix) is what import reads")
+    vocab = config.get("vocab_size")
+    if config.get("decoder_vocab_size") not in (None, vocab):
+        out.append(f"config.json: decoder_vocab_size {config['decoder_vocab_size']} differs from vocab_size {vocab}; "
+                   "one joint vocabulary is what import reads")
+    for key, wanted in SPECIAL.items():
+        if config.get(key) != wanted:
+            out.append(f"config.json: {key} {config.get(key)}, xformer's is {wanted} (pad 0, unk 1, BOS 2 the "
+                       "decoder's start, EOS 3); opus-mt's layout (EOS 0, pad last) is not read yet")
+    return out + _tokenizer_problems(folder, vocab)
+
+
+def _tokenizer_problems(folder: Path, vocab_size: int | None) -> list[str]:
+    source, target, vocab = folder / "source.spm", folder / "target.spm", folder / "vocab.json"
+    missing = [p.name for p in (source, target, vocab) if not p.is_file()]
+    if missing:
+        return [f"{', '.join(missing)}: no such file; MarianTokenizer's source.spm, target.spm and vocab.json are "
+                "what import reads"]
+    if source.read_bytes() != target.read_bytes():
+        return ["source.spm and target.spm differ: import reads one joint vocabulary (data.joint_vocab = true)"]
+    processor = sentencepiece.SentencePieceProcessor()
+    try:
+        processor.Load(model_file=str(source))
+    except (OSError, RuntimeError) as exc:
+        return [f"source.spm: cannot read as a sentencepiece model ({str(exc).strip()[:200]})"]
+    out = []
+    found = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
+    if found != (0, 1, 2, 3):
+        out.append(f"source.spm: special ids pad/unk/bos/eos are {'/'.join(map(str, found))}, xformer's are 0/1/2/3")
+    pieces = _json(vocab)
+    size = processor.get_piece_size()
+    other = next(((p, i) for p, i in pieces.items() if not isinstance(i, int) or i >= size
+                  or processor.id_to_piece(i) != p), None)
+    if other is not None or len(pieces) != size:
+        where = f"piece {other[0]!r} is {other[1]} there" if other else f"{len(pieces)} pieces for {size}"
+        out.append(f"vocab.json: its ids are not source.spm's own ({where}); import reads a vocab.json that "
+                   "numbers the pieces as the sentencepiece model does")
+    if vocab_size is not None and vocab_size != size:
+        out.append(f"config.json: vocab_size {vocab_size}, but source.spm has {size} pieces")
+    return out
+
+
+def _recipe(config: dict, tokenizer: dict, generation: dict, base: Recipe | None, overrides: list[str]) -> Recipe:
+    """The run's recipe: [model] from config.json, the rest from `base` and `overrides`."""
+    model = {"arch": "seq2seq", "d_model": config["d_model"], "n_heads": config["encoder_attention_heads"],
+             "d_ff": config["encoder_ffn_dim"], "n_encoder_layers": config["encoder_layers"],
+             "n_decoder_layers": config["decoder_layers"], "ffn": ACTIVATION[config["activation_function"]],
+             "dropout": config.get("dropout", 0.1), "attention_dropout": config.get("attention_dropout", 0.0),
+             "activation_dropout": config.get("activation_dropout", 0.0),
+             "max_positions": config.get("max_position_embeddings", 512), "positional": "sinusoidal",
+             "norm": "layernorm", "norm_position": "post", "norm_eps": 1e-5, "tie_embeddings": "all",
+             "scale_embeddings": bool(config.get("scale_embedding", True))}
+    raw = base.to_dict() if base is not None else {
+        "data": {"source_lang": tokenizer.get("source_lang") or "src",
+                 "target_lang": tokenizer.get("target_lang") or "tgt"},
+        "eval": {"beam": int(generation.get("num_beams") or config.get("num_beams") or 5)},
+        "train": {"max_epochs": 1}}  # nothing is trained on import; a fine-tune names its own recipe
+    raw.pop("changes", None)
+    raw["model"] = model
+    data = raw.get("data", {})
+    longest = min(data.get("max_len", 256), model["max_positions"] - 1)  # BOS or EOS takes a position
+    raw["data"] = {**data, "vocab_size": config["vocab_size"], "joint_vocab": True, "max_len": longest}
+    return recipe_from_dict(raw, list(overrides), source="the imported model's recipe")
+
+
+def read_weights(folder: Path) -> dict[str, torch.Tensor]:
+    """The checkpoint's tensors: model.safetensors (or the shards its index names), else
+    pytorch_model.bin read with torch.load(weights_only=True), which unpickles tensors only."""
+    single, index, pickled = folder / "model.safetensors", folder / "model.safetensors.index.json", \
+        folder / "pytorch_model.bin"
+    if single.is_file():
+        return _safetensors(single)
+    if index.is_file():
+        shards = sorted(set(_json(index).get("weight_map", {}).values()))
+        return {k: v for shard in shards for k, v in _safetensors(folder / shard).items()}
+    if pickled.is_file():
+        try:
+            tensors = torch.load(pickled, map_location="cpu", weights_only=True)
+        except Exception as exc:  # UnpicklingError, or a damaged file
+            reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise RunError(f"{pickled}: refused: not tensors alone ({reason[:200]}); xformer loads no pickled code, "
+                           "convert it to model.safetensors") from None
+        if not isinstance(tensors, dict) or not all(torch.is_tensor(v) for v in tensors.values()):
+            raise RunError(f"{pickled}: expected a state dict of tensors")
+        return tensors
+    raise RunError(f"{folder}: no model.safetensors nor pytorch_model.bin")
+
+
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises several types for a damaged file
+        raise RunError(f"{path}: not a readable safetensors file ({exc})") from None
+
+
+def load_marian_tensors(model, tensors: dict[str, torch.Tensor], d_model: int) -> None:
+    """Copy a MarianMTModel's tensors into the xformer `model` (export.marian_names, the feature
+    permutation undone). The tied embedding must hold the same matrix under every name present;
+    a tensor left over, or a final_logits_bias that is not zero, is refused by name."""
+    inverse = torch.argsort(feature_order(d_model))
+    unpermute = {"rows": lambda t: t[inverse], "cols": lambda t: t[:, inverse], "": lambda t: t}
+    names = marian_names(model)
+    embedding = next((n for n in EMBEDDINGS if n in tensors), None)
+    if embedding is None:
+        raise RunError(f"no embedding tensor: expected one of {', '.join(EMBEDDINGS)}")
+    for name in EMBEDDINGS:
+        if name in tensors and not torch.equal(tensors[name], tensors[embedding]):
+            raise RunError(f"{name}: differs from {embedding}; model.tie_embeddings = 'all' needs one matrix")
+    bias = tensors.get("final_logits_bias")
+    if bias is not None and bias.count_nonzero():
+        raise RunError("final_logits_bias: not zero; xformer's output layer has no bias yet")
+    with torch.no_grad():
+        for name, tensor, axis in names:
+            value = tensors[embedding] if name in EMBEDDINGS else tensors.get(name)
+            if value is None:
+                raise RunError(f"{name}: missing from the checkpoint")
+            value = unpermute[axis](value)
+            if value.shape != tensor.shape:
+                raise RunError(f"{name}: shape {tuple(value.shape)}, the config's model has {tuple(tensor.shape)}")
+            tensor.copy_(value)
+    left = set(tensors) - {n for n, _, _ in names} - {"final_logits_bias", *UNUSED}
+    if left:
+        raise RunError(f"{sorted(left)[0]}: a tensor xformer's model has no place for ({len(left)} such)")
+
+
+def _write_run(out: Path, folder: Path, recipe: Recipe, tensors: dict[str, torch.Tensor], origin: dict) -> None:
+    mark_run_dir(out)
+    (out / "tokenizer").mkdir()
+    shutil.copyfile(folder / "source.spm", out / "tokenizer" / "spm.model")
+    recipe.save(out / "recipe.toml")
+    task = make_task(recipe)
+    task.load_vocabulary(out)
+    model = task.build_model(init=False)
+    load_marian_tensors(model, tensors, recipe.model.d_model)
+    (out / "checkpoints").mkdir()
+    meta = {"recipe": recipe.to_dict(), "step": 0, "tokenizer": tokenizer_digest(out), "imported": origin}
+    save_checkpoint(out / "checkpoints" / "best.safetensors", model, meta=meta)
+    (out / IMPORTED).write_text(json.dumps(origin, indent=2) + "\n", encoding="utf-8")
+
+
+def _provenance(folder: Path) -> dict:
+    """The licence and attribution the model card (README.md's front matter) states, and every
+    file's sha256."""
+    card = folder / "README.md"
+    text = card.read_text(encoding="utf-8", errors="replace") if card.is_file() else ""
+    front = text.split("---", 2)[1] if text.startswith("---") and text.count("---") >= 2 else ""
+    licence = re.search(r"^license:\s*(\S.*)$", front, re.MULTILINE)
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(folder.iterdir())
+             if p.is_file() and p.name in FILES}
+    return {"licence": licence.group(1).strip().strip("'\"") if licence else "not stated in the model card",
+            "attribution": _attribution(text), "files": files}
+
+
+def _attribution(card: str) -> str:
+    """The model card's first heading (opus-mt's name the model and its corpus), else ""."""
+    heading = re.search(r"^#+\s*(\S.*)$", card, re.MULTILINE)
+    return heading.group(1).strip() if heading else ""
