@@ -49,6 +49,11 @@ def train(
         "--branch-from", help="Start --out as this run stood at --at-step (a checkpoint train.branch_every kept), "
                               "then train on with RECIPE's values: a cooldown from that step, say.")] = None,
     at_step: Annotated[int | None, typer.Option("--at-step", help="The step of --branch-from to start at.")] = None,
+    init_from: Annotated[Path | None, typer.Option(
+        "--init-from", help="Start --out from this run's weights and tokenizer (a trained or imported run; the "
+                            "same [model]), at step 0 with a fresh optimizer: a fine-tune.")] = None,
+    init_checkpoint: Annotated[str | None, typer.Option(
+        "--init-checkpoint", help="The checkpoint of --init-from [default: its eval.checkpoint].")] = None,
     report_to: ReportOption = [],  # noqa: B006 - typer reads the default, never mutates it
     as_json: JsonOption = False,
 ) -> None:
@@ -57,6 +62,8 @@ def train(
         raise RunError("--resume and --overwrite: choose one (continue the run, or replace it)")
     if (branch_from is None) != (at_step is None):
         raise RunError("--branch-from and --at-step go together: the run and the step to start from")
+    if init_checkpoint is not None and init_from is None:
+        raise RunError("--init-checkpoint names a checkpoint of --init-from: give --init-from too")
     trackers = requested(report_to)  # one not installed: exit 2 before anything is read
     sets, flags = list(overrides), {}
     for key, value in (("precision", precision), ("max_steps", max_steps), ("max_time", max_time)):
@@ -69,10 +76,11 @@ def train(
         raise RecipeError([next((flag + line[len(s):] for s, flag in flags.items() if line.startswith(s)), line)
                            for line in exc.problems]) from None
     rank = int(os.environ.get("RANK", "0"))  # under torchrun, process 0 alone draws and prints
-    with flags_named("device"), TrainDisplay() as display:
+    with flags_named("device", "init_checkpoint"), TrainDisplay() as display:
         result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
                      on_event=display if rank == 0 else None, recipe_path=recipe, branch_from=branch_from,
-                     at_step=at_step, reporting=Reporting(trackers))
+                     at_step=at_step, reporting=Reporting(trackers), init=init_from,
+                     init_checkpoint=init_checkpoint)
     if rank != 0:
         return
     best = result.best or {}

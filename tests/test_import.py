@@ -175,20 +175,101 @@ def test_an_imported_model_goes_through_inspect_heads_with_pruning_and_export(hf
                                                   strict=True))
 
 
-def test_opus_mt_ids_and_untied_embeddings_are_refused_by_field(hf_marian, tmp_path):
-    folder = tmp_path / "opus-shaped"
+def test_untied_embeddings_and_an_eos_that_is_also_pad_are_refused_by_field(hf_marian, tmp_path):
+    folder = tmp_path / "untied"
     shutil.copytree(hf_marian, folder)
     config = json.loads((folder / "config.json").read_text())
-    last = config["vocab_size"] - 1
-    config |= {"pad_token_id": last, "decoder_start_token_id": last, "eos_token_id": 0,
-               "share_encoder_decoder_embeddings": False}
+    config |= {"eos_token_id": 0, "share_encoder_decoder_embeddings": False}
     (folder / "config.json").write_text(json.dumps(config))
     result = runner.invoke(app, ["import", "hf", str(folder), "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and "Traceback" not in result.output
     lines = result.stderr.splitlines()
-    for field in ("pad_token_id", "decoder_start_token_id", "eos_token_id", "share_encoder_decoder_embeddings"):
+    for field in ("eos_token_id", "share_encoder_decoder_embeddings"):
         assert any(f"config.json: {field}" in line for line in lines), field
     assert not (tmp_path / "run").exists()
+
+
+@pytest.fixture(scope="module")
+def opus_shaped(corpus, tmp_path_factory):
+    """A MarianMTModel laid out as the Helsinki-NLP opus-mt models are: EOS 0, unk 1, pad as the
+    last id and the decoder's start, one sentencepiece model per language over one vocab.json,
+    a final_logits_bias that is not zero; random weights (std 1)."""
+    transformers = need("transformers")
+    import sentencepiece
+
+    folder = tmp_path_factory.mktemp("opus")
+    train_tokenizer(load_split(str(corpus), "train", ["de", "en"]), "de", "en", folder / "spm", model_type="unigram",
+                    vocab_size=200, joint=False, character_coverage=1.0, byte_fallback=False)
+    pieces = []
+    for lang in ("de", "en"):
+        processor = sentencepiece.SentencePieceProcessor(model_file=str(folder / "spm" / f"spm.{lang}.model"))
+        pieces += [processor.id_to_piece(i) for i in range(4, processor.get_piece_size())]
+    ordered = ["</s>", "<unk>", *dict.fromkeys(pieces), "<pad>"]
+    vocab = {piece: i for i, piece in enumerate(ordered)}
+    (folder / "vocab.json").write_text(json.dumps(vocab, ensure_ascii=False), encoding="utf-8")
+    tokenizer = transformers.MarianTokenizer(str(folder / "spm" / "spm.de.model"), str(folder / "spm" / "spm.en.model"),
+                                             str(folder / "vocab.json"), source_lang="de", target_lang="en",
+                                             unk_token="<unk>", eos_token="</s>", pad_token="<pad>")
+    last = len(vocab) - 1
+    config = transformers.MarianConfig(
+        vocab_size=len(vocab), d_model=32, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=64, decoder_ffn_dim=64, max_position_embeddings=256,
+        activation_function="swish", dropout=0.0, scale_embedding=True, share_encoder_decoder_embeddings=True,
+        pad_token_id=last, eos_token_id=0, decoder_start_token_id=last, forced_eos_token_id=0,
+        bad_words_ids=[[last]], init_std=1.0)
+    torch.manual_seed(5)
+    model = transformers.MarianMTModel(config).eval()
+    with torch.no_grad():
+        model.final_logits_bias.normal_(0.0, 2.0)
+    model.save_pretrained(folder / "hf", safe_serialization=True)
+    tokenizer.save_pretrained(folder / "hf")
+    return folder / "hf"
+
+
+def test_an_opus_mt_layout_imports_renumbered_and_computes_as_transformers_does(opus_shaped, tmp_path):
+    transformers = need("transformers")
+    out = import_hf(opus_shaped, tmp_path / "run")
+    recipe = load_run_recipe(out)
+    assert recipe.model.output_bias and sorted(p.name for p in (out / "tokenizer").iterdir()) == [
+        "source.spm", "target.spm", "vocab.json"]
+    task = make_task(recipe)
+    model, _ = task.open_run(out, "best", "cpu")
+    hf = transformers.MarianMTModel.from_pretrained(opus_shaped).eval()
+    tokenizer = transformers.MarianTokenizer.from_pretrained(opus_shaped)
+    theirs_of = {piece: i for piece, i in tokenizer.get_vocab().items()}
+    order = [theirs_of.get(task.tokenizer.piece(i, "target"), -1) for i in range(task.tokenizer.vocab_size("target"))]
+    assert order[1:4] == [1, len(theirs_of) - 1, 0] and order[0] == -1  # unk, the decoder's start (pad), EOS
+    theirs = tokenizer(SENTENCES, padding=True, return_tensors="pt")
+    ours = [ids + [3] for ids in task.tokenizer.encode(SENTENCES, "source")]
+    assert [[order[i] for i in row] for row in ours] == [row[: len(o)] for row, o in
+                                                         zip(theirs.input_ids.tolist(), ours, strict=True)]
+    width = max(map(len, ours))
+    src = torch.tensor([row + [0] * (width - len(row)) for row in ours])
+    tgt = torch.tensor([[2, 5, 9, 14, 7], [2, 8, 8, 20, 11], [2, 40, 3, 0, 0]])
+    hf, model = hf.double(), model.double()
+    with torch.no_grad():
+        expected = hf(input_ids=theirs.input_ids, attention_mask=theirs.attention_mask,
+                      decoder_input_ids=torch.tensor([[order[i] if i else len(order) - 2 for i in row]
+                                                      for row in tgt.tolist()])).logits
+        got = model(src, tgt)
+        real = [x for x, o in enumerate(order) if o >= 0]
+        torch.testing.assert_close(got[:, :, real], expected[:, :, [order[x] for x in real]], rtol=0,
+                                   atol=1e-5 * expected.abs().max().item())
+        assert (got[:, :, 0] < -9000).all()  # import's own pad row: never more than exp(-1e4) of the mass
+        generated = hf.generate(input_ids=theirs.input_ids, attention_mask=theirs.attention_mask, num_beams=1,
+                                do_sample=False, max_new_tokens=26)  # 25 tokens, then EOS forced as ours
+        greedy = greedy_decode(model, src, max_len_a=0.0, max_len_b=25)
+    last = len(theirs_of) - 1
+    assert [[t for t in row[1:].tolist() if t not in (0, last)] for row in generated] == [
+        [order[t] for t in hyp] for hyp in greedy]
+    assert tokenizer.batch_decode(generated, skip_special_tokens=True) == task.tokenizer.decode(greedy, "target")
+
+    exported = runner.invoke(app, ["export", str(out), "--out", str(tmp_path / "hf")])
+    assert exported.exit_code == 0, exported.output
+    back = import_hf(tmp_path / "hf", tmp_path / "back")
+    assert (back / "tokenizer" / "vocab.json").read_bytes() == (out / "tokenizer" / "vocab.json").read_bytes()
+    assert all(torch.equal(a, b) for a, b in zip(model_tensors(out)[0].values(), model_tensors(back)[0].values(),
+                                                  strict=True))
 
 
 class _Payload:
@@ -217,3 +298,26 @@ def test_pickled_weights_load_as_tensors_only(hf_marian, tmp_path, capsys):
     result = runner.invoke(app, ["import", "hf", str(hostile), "--out", str(tmp_path / "run")])
     assert result.exit_code == 2 and "refused: not tensors alone" in result.stderr
     assert "this ran while loading" not in capsys.readouterr().out + result.output
+
+
+def test_fine_tuning_starts_from_the_imported_weights_at_step_0(hf_marian, corpus, tmp_path):
+    need("transformers")
+    data = f"data.dataset={json.dumps(str(corpus))}"
+    imported = import_hf(hf_marian, tmp_path / "run", overrides=[data])
+    tuned = tmp_path / "tuned"
+    args = ["train", str(imported / "recipe.toml"), "--init-from", str(imported), "--out", str(tuned),
+            "--set", data, "--set", "train.valid_every=2", "--set", "train.lr=1e-4", "--max-steps", "2"]
+    refused = runner.invoke(app, [*args[:-2], "--max-steps", "2", "--set", "model.d_ff=128"])
+    assert refused.exit_code == 2 and "model.d_ff: " in refused.stderr and not tuned.exists()
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    record = json.loads((tuned / "init-from.json").read_text())
+    assert record["checkpoint"] == "best.safetensors" and record["imported"]["source"] == str(hf_marian.resolve())
+    assert (tuned / "tokenizer" / "spm.model").read_bytes() == (imported / "tokenizer" / "spm.model").read_bytes()
+    start, _ = model_tensors(imported)
+    tensors, meta = read_checkpoint(tuned / "checkpoints" / "last.safetensors")
+    assert meta["progress"]["step"] == 2 and meta["optimizer"]["param_groups"][0]["lr"] <= 1e-4
+    moved = max((tensors[k] - start[k]).abs().max().item() for k in start)
+    assert 0 < moved < 0.01  # two small steps from the imported weights (a fresh init is ~1 away)
+    again = runner.invoke(app, args)  # into a run that exists: refused, as any train without --resume
+    assert again.exit_code == 2

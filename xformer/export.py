@@ -33,6 +33,7 @@ import sentencepiece
 import torch
 
 from xformer.config.loading import load_run_recipe
+from xformer.data.tokenizer import VOCABULARY
 from xformer.errors import RunError
 from xformer.generation.ctranslate2_engine import CT2_META, export_record, file_digests
 from xformer.tasks import make_task
@@ -77,6 +78,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", che
     problems = marian_problems(recipe)
     if not make_task(recipe).EXPORTS:
         problems.insert(0, f"data.task: export writes translation models, found {recipe.data.task!r}")
+    if fmt == "ctranslate2" and (tokenizer_dir(run_dir) / VOCABULARY).is_file():
+        problems.append(f"{tokenizer_dir(run_dir) / VOCABULARY}: an imported vocabulary; the ctranslate2 format "
+                        "reads one sentencepiece model's own ids (export --format hf writes this run)")
     if problems:
         raise RunError([f"{run_dir}: cannot be a MarianMTModel: {p}" for p in problems])
     if quantize not in (None, "int8") or (quantize and fmt != "ctranslate2"):
@@ -156,18 +160,23 @@ def _write_marian(model, recipe, out: Path, tokenizer: Path) -> None:
                                 decoder_start_token_id=BOS, bos_token_id=BOS, eos_token_id=EOS, pad_token_id=PAD,
                                 suppress_tokens=[PAD, BOS])
     hf.save_pretrained(out, safe_serialization=True)
-    spm = tokenizer / "spm.model"
-    if not spm.is_file():
-        raise RunError(f"{tokenizer}: no spm.model (a joint sentencepiece model is what Marian's tokenizer reads)")
-    processor = sentencepiece.SentencePieceProcessor(model_file=str(spm))
-    pieces = {processor.id_to_piece(i): i for i in range(processor.get_piece_size())}
-    vocab_file = out / "vocab.json"
-    vocab_file.write_text(json.dumps(pieces, ensure_ascii=False), encoding="utf-8")
     d = recipe.data
-    hf_tokenizer = MarianTokenizer(str(spm), str(spm), str(vocab_file), source_lang=d.source_lang,
-                                   target_lang=d.target_lang, unk_token=processor.id_to_piece(UNK),
-                                   eos_token=processor.id_to_piece(EOS), pad_token=processor.id_to_piece(PAD),
-                                   model_max_length=m.max_positions)
+    if (tokenizer / VOCABULARY).is_file():  # an imported model's: two models, one renumbered vocabulary
+        source, target, vocab_file = tokenizer / "source.spm", tokenizer / "target.spm", tokenizer / VOCABULARY
+        names = {i: p for p, i in json.loads(vocab_file.read_text(encoding="utf-8")).items()}
+        special = [names[i] for i in (UNK, EOS, PAD)]
+    else:
+        source = target = tokenizer / "spm.model"
+        if not source.is_file():
+            raise RunError(f"{tokenizer}: no spm.model (a joint sentencepiece model is what Marian's tokenizer reads)")
+        processor = sentencepiece.SentencePieceProcessor(model_file=str(source))
+        pieces = {processor.id_to_piece(i): i for i in range(processor.get_piece_size())}
+        vocab_file = out / "vocab.json"
+        vocab_file.write_text(json.dumps(pieces, ensure_ascii=False), encoding="utf-8")
+        special = [processor.id_to_piece(i) for i in (UNK, EOS, PAD)]
+    hf_tokenizer = MarianTokenizer(str(source), str(target), str(vocab_file), source_lang=d.source_lang,
+                                   target_lang=d.target_lang, unk_token=special[0], eos_token=special[1],
+                                   pad_token=special[2], model_max_length=m.max_positions)
     hf_tokenizer.save_pretrained(out)
 
 
@@ -224,7 +233,8 @@ def _xformer_marian_loader():
 
 def marian_names(model) -> list[tuple[str, torch.Tensor, str]]:
     """(Marian's name, the xformer tensor it holds, where its d_model axis is: "rows" (output),
-    "cols" (input) or "" (none)) for every tensor a MarianMTModel has; the tied embedding
+    "cols" (input), "" (none), or "row": none, and Marian's is a (1, N) row) for every tensor a
+    MarianMTModel has; the tied embedding
     appears under all four of Marian's names. Export writes them (permuted by feature_order),
     xformer.importing reads them back."""
     out: list[tuple[str, torch.Tensor, str]] = []
@@ -246,6 +256,8 @@ def marian_names(model) -> list[tuple[str, torch.Tensor, str]]:
 
     embedding = model.encoder.embed.embedding.weight
     out.extend((name, embedding, "cols") for name in EMBEDDINGS)
+    if model.output.bias is not None:  # model.output_bias: Marian keeps it as a (1, V) buffer
+        out.append(("final_logits_bias", model.output.bias, "row"))
     for i, layer in enumerate(model.encoder.layers):
         p = f"model.encoder.layers.{i}"
         attention(f"{p}.self_attn", layer.self_attn)
@@ -266,5 +278,5 @@ def marian_names(model) -> list[tuple[str, torch.Tensor, str]]:
 def _marian_tensors(model, order: torch.Tensor) -> dict[str, torch.Tensor]:
     """xformer's weights under Marian's names, every d_model axis permuted by `order` (cloned:
     with model.qkv = "shared" the three projections are one tensor, and a file holds each once)."""
-    permute = {"rows": lambda t: t[order], "cols": lambda t: t[:, order], "": lambda t: t}
+    permute = {"rows": lambda t: t[order], "cols": lambda t: t[:, order], "": lambda t: t, "row": lambda t: t[None]}
     return {name: permute[axis](tensor.detach()).clone() for name, tensor, axis in marian_names(model)}

@@ -12,11 +12,17 @@ Every tensor maps exactly (xformer.export.marian_names, the feature permutation 
 only tensors and JSON are read: safetensors, or a pytorch_model.bin through
 torch.load(weights_only=True); a config asking for remote code is refused. A model xformer
 cannot represent is refused with the config field, file or tensor that stands in the way.
-Supported today: one joint sentencepiece vocabulary whose ids are its vocab.json's, pad 0, unk 1,
-BOS 2 (the decoder's start) and EOS 3, every embedding tied, no final_logits_bias: what
-`xformer export --format hf` writes. opus-mt's layout (EOS 0, pad last and the decoder's start,
-two sentencepiece models over one vocab.json) is refused by field until its conventions are
-fields of xformer's own.
+
+The special ids come from the config's fields (pad_token_id, eos_token_id,
+decoder_start_token_id) and the tokenizer's unk_token, and are renumbered to xformer's (pad 0,
+unk 1, BOS 2 = the decoder's start, EOS 3; every other id keeps its order): a permutation of the
+embedding rows and of final_logits_bias (model.output_bias), so the logits are the checkpoint's,
+relabelled. Where the checkpoint's pad is also its decoder's start (the opus-mt models), xformer's
+pad gets a row of its own, zero, with an output bias of -1e4 (exp(-1e4) is 0 in float32: the
+softmax over the others is unchanged). A model whose ids already are xformer's and whose two
+sentencepiece files are one (what `xformer export --format hf` writes) keeps tokenizer/spm.model;
+any other gets source.spm, target.spm and the renumbered vocab.json (xformer.data.tokenizer).
+Untied encoder embeddings (the larger opus-mt models) are refused by field for now.
 """
 
 from __future__ import annotations
@@ -34,13 +40,14 @@ from safetensors.torch import load_file
 
 from xformer.config.loading import recipe_from_dict
 from xformer.config.schema import Recipe
+from xformer.data.tokenizer import VOCABULARY
 from xformer.errors import RunError
 from xformer.export import EMBEDDINGS, MARIAN_ACTIVATION, feature_order, marian_names
 from xformer.tasks import make_task
 from xformer.training.checkpoint import save_checkpoint
 from xformer.training.run_folder import IMPORTED, mark_run_dir, tokenizer_digest
 
-SPECIAL = {"pad_token_id": 0, "eos_token_id": 3, "decoder_start_token_id": 2}  # xformer's ids (data/tokenizer.py)
+PAD_BIAS = -1e4  # the output bias of a pad row import adds: exp(-1e4) is 0 in float32
 FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "vocab.json", "source.spm", "target.spm",
          "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "README.md", "LICENSE")
 ACTIVATION = {marian: ffn for ffn, marian in MARIAN_ACTIVATION.items()}  # Marian's activation_function -> model.ffn
@@ -63,13 +70,19 @@ def import_hf(source: str | Path, out_dir: str | Path, *, base: Recipe | None = 
     problems = import_problems(config, folder)
     if problems:
         raise RunError([f"{folder}: cannot be an xformer run: {p}" for p in problems])
-    recipe = _recipe(config, _json(folder / "tokenizer_config.json", missing={}),
-                     _json(folder / "generation_config.json", missing={}), base, overrides)
+    tokenizer = _json(folder / "tokenizer_config.json", missing={})
+    pieces = _json(folder / "vocab.json")
+    unk = tokenizer.get("unk_token") or "<unk>"
+    order = relabelling(config, pieces, unk["content"] if isinstance(unk, dict) else unk)
     tensors = read_weights(folder)
+    bias = tensors.get("final_logits_bias")
+    output_bias = -1 in order or (bias is not None and bool(bias.count_nonzero()))
+    recipe = _recipe(config, tokenizer, _json(folder / "generation_config.json", missing={}), base, overrides,
+                     output_bias, len(order))  # with import's own pad row, where it adds one
     out_dir.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
     try:
-        _write_run(staging, folder, recipe, tensors, {**origin, **_provenance(folder)})
+        _write_run(staging, folder, recipe, tensors, order, pieces, {**origin, **_provenance(folder)})
         if out_dir.exists():
             out_dir.rmdir()  # empty, checked above
         staging.rename(out_dir)
@@ -137,10 +150,13 @@ def import_problems(config: dict, folder: Path) -> list[str]:
     if config.get("decoder_vocab_size") not in (None, vocab):
         out.append(f"config.json: decoder_vocab_size {config['decoder_vocab_size']} differs from vocab_size {vocab}; "
                    "one joint vocabulary is what import reads")
-    for key, wanted in SPECIAL.items():
-        if config.get(key) != wanted:
-            out.append(f"config.json: {key} {config.get(key)}, xformer's is {wanted} (pad 0, unk 1, BOS 2 the "
-                       "decoder's start, EOS 3); opus-mt's layout (EOS 0, pad last) is not read yet")
+    specials = {key: config.get(key) for key in ("pad_token_id", "eos_token_id", "decoder_start_token_id")}
+    for key, value in specials.items():
+        if not isinstance(value, int) or not 0 <= value < (vocab or 0):
+            out.append(f"config.json: {key} {value!r}, expected an id below vocab_size {vocab}")
+    if specials["eos_token_id"] in (specials["pad_token_id"], specials["decoder_start_token_id"]):
+        out.append(f"config.json: eos_token_id {specials['eos_token_id']} is also the pad or the decoder's start; "
+                   "xformer needs EOS apart from both")
     return out + _tokenizer_problems(folder, vocab)
 
 
@@ -150,31 +166,35 @@ def _tokenizer_problems(folder: Path, vocab_size: int | None) -> list[str]:
     if missing:
         return [f"{', '.join(missing)}: no such file; MarianTokenizer's source.spm, target.spm and vocab.json are "
                 "what import reads"]
-    if source.read_bytes() != target.read_bytes():
-        return ["source.spm and target.spm differ: import reads one joint vocabulary (data.joint_vocab = true)"]
-    processor = sentencepiece.SentencePieceProcessor()
-    try:
-        processor.Load(model_file=str(source))
-    except (OSError, RuntimeError) as exc:
-        return [f"source.spm: cannot read as a sentencepiece model ({str(exc).strip()[:200]})"]
     out = []
-    found = (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id())
-    if found != (0, 1, 2, 3):
-        out.append(f"source.spm: special ids pad/unk/bos/eos are {'/'.join(map(str, found))}, xformer's are 0/1/2/3")
+    for path in (source, target):
+        try:
+            sentencepiece.SentencePieceProcessor().Load(model_file=str(path))
+        except (OSError, RuntimeError) as exc:
+            out.append(f"{path.name}: cannot read as a sentencepiece model ({str(exc).strip()[:200]})")
     pieces = _json(vocab)
-    size = processor.get_piece_size()
-    other = next(((p, i) for p, i in pieces.items() if not isinstance(i, int) or i >= size
-                  or processor.id_to_piece(i) != p), None)
-    if other is not None or len(pieces) != size:
-        where = f"piece {other[0]!r} is {other[1]} there" if other else f"{len(pieces)} pieces for {size}"
-        out.append(f"vocab.json: its ids are not source.spm's own ({where}); import reads a vocab.json that "
-                   "numbers the pieces as the sentencepiece model does")
-    if vocab_size is not None and vocab_size != size:
-        out.append(f"config.json: vocab_size {vocab_size}, but source.spm has {size} pieces")
+    if sorted(pieces.values()) != list(range(len(pieces))):
+        out.append("vocab.json: expected its pieces numbered 0 to N-1, each id once")
+    elif vocab_size is not None and vocab_size != len(pieces):
+        out.append(f"config.json: vocab_size {vocab_size}, but vocab.json has {len(pieces)} pieces")
     return out
 
 
-def _recipe(config: dict, tokenizer: dict, generation: dict, base: Recipe | None, overrides: list[str]) -> Recipe:
+def relabelling(config: dict, pieces: dict[str, int], unk_token: str) -> list[int]:
+    """The checkpoint's id of each xformer id, in xformer's order (-1: a row import adds): pad,
+    unk, the decoder's start (BOS), EOS, then every other id in its order (module docstring)."""
+    pad, eos = config["pad_token_id"], config["eos_token_id"]
+    start = config.get("decoder_start_token_id", pad)
+    unk = pieces.get(unk_token, -1)
+    if unk < 0 or unk in (pad, eos, start):
+        raise RunError(f"vocab.json: the unknown piece {unk_token!r} is {'missing' if unk < 0 else 'a special id'}; "
+                       "xformer needs one apart from pad, EOS and the decoder's start")
+    head = [-1 if pad == start else pad, unk, start, eos]
+    return head + [i for i in range(config["vocab_size"]) if i not in head]
+
+
+def _recipe(config: dict, tokenizer: dict, generation: dict, base: Recipe | None, overrides: list[str],
+            output_bias: bool, vocab_size: int) -> Recipe:
     """The run's recipe: [model] from config.json, the rest from `base` and `overrides`."""
     model = {"arch": "seq2seq", "d_model": config["d_model"], "n_heads": config["encoder_attention_heads"],
              "d_ff": config["encoder_ffn_dim"], "n_encoder_layers": config["encoder_layers"],
@@ -183,7 +203,7 @@ def _recipe(config: dict, tokenizer: dict, generation: dict, base: Recipe | None
              "activation_dropout": config.get("activation_dropout", 0.0),
              "max_positions": config.get("max_position_embeddings", 512), "positional": "sinusoidal",
              "norm": "layernorm", "norm_position": "post", "norm_eps": 1e-5, "tie_embeddings": "all",
-             "scale_embeddings": bool(config.get("scale_embedding", True))}
+             "scale_embeddings": bool(config.get("scale_embedding", True)), "output_bias": output_bias}
     raw = base.to_dict() if base is not None else {
         "data": {"source_lang": tokenizer.get("source_lang") or "src",
                  "target_lang": tokenizer.get("target_lang") or "tgt"},
@@ -193,7 +213,7 @@ def _recipe(config: dict, tokenizer: dict, generation: dict, base: Recipe | None
     raw["model"] = model
     data = raw.get("data", {})
     longest = min(data.get("max_len", 256), model["max_positions"] - 1)  # BOS or EOS takes a position
-    raw["data"] = {**data, "vocab_size": config["vocab_size"], "joint_vocab": True, "max_len": longest}
+    raw["data"] = {**data, "vocab_size": vocab_size, "joint_vocab": True, "max_len": longest}
     return recipe_from_dict(raw, list(overrides), source="the imported model's recipe")
 
 
@@ -227,12 +247,19 @@ def _safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise RunError(f"{path}: not a readable safetensors file ({exc})") from None
 
 
-def load_marian_tensors(model, tensors: dict[str, torch.Tensor], d_model: int) -> None:
+def load_marian_tensors(model, tensors: dict[str, torch.Tensor], d_model: int, order: list[int]) -> None:
     """Copy a MarianMTModel's tensors into the xformer `model` (export.marian_names, the feature
-    permutation undone). The tied embedding must hold the same matrix under every name present;
-    a tensor left over, or a final_logits_bias that is not zero, is refused by name."""
+    permutation undone, vocabulary rows renumbered by `order`: relabelling). The tied embedding
+    must hold the same matrix under every name present; a tensor left over, or a
+    final_logits_bias that is not zero for a model without model.output_bias, is refused by name."""
     inverse = torch.argsort(feature_order(d_model))
-    unpermute = {"rows": lambda t: t[inverse], "cols": lambda t: t[:, inverse], "": lambda t: t}
+    rows = torch.tensor(order)  # -1 picks the row appended below: import's own pad
+
+    def relabel(t: torch.Tensor, fill: float) -> torch.Tensor:
+        return torch.cat([t, t.new_full((1, *t.shape[1:]), fill)])[rows]
+
+    unpermute = {"rows": lambda t: t[inverse], "cols": lambda t: t[:, inverse], "": lambda t: t,
+                 "row": lambda t: relabel(t[0], PAD_BIAS)}
     names = marian_names(model)
     embedding = next((n for n in EMBEDDINGS if n in tensors), None)
     if embedding is None:
@@ -241,14 +268,18 @@ def load_marian_tensors(model, tensors: dict[str, torch.Tensor], d_model: int) -
         if name in tensors and not torch.equal(tensors[name], tensors[embedding]):
             raise RunError(f"{name}: differs from {embedding}; model.tie_embeddings = 'all' needs one matrix")
     bias = tensors.get("final_logits_bias")
-    if bias is not None and bias.count_nonzero():
-        raise RunError("final_logits_bias: not zero; xformer's output layer has no bias yet")
+    if model.output.bias is None and bias is not None and bias.count_nonzero():
+        raise RunError("final_logits_bias: not zero, and the recipe has no model.output_bias")
+    if bias is None:
+        tensors = {**tensors, "final_logits_bias": torch.zeros(1, len(order) - order.count(-1))}
     with torch.no_grad():
         for name, tensor, axis in names:
             value = tensors[embedding] if name in EMBEDDINGS else tensors.get(name)
             if value is None:
                 raise RunError(f"{name}: missing from the checkpoint")
             value = unpermute[axis](value)
+            if name in EMBEDDINGS:  # one row per id: renumbered
+                value = relabel(value, 0.0)
             if value.shape != tensor.shape:
                 raise RunError(f"{name}: shape {tuple(value.shape)}, the config's model has {tuple(tensor.shape)}")
             tensor.copy_(value)
@@ -257,19 +288,38 @@ def load_marian_tensors(model, tensors: dict[str, torch.Tensor], d_model: int) -
         raise RunError(f"{sorted(left)[0]}: a tensor xformer's model has no place for ({len(left)} such)")
 
 
-def _write_run(out: Path, folder: Path, recipe: Recipe, tensors: dict[str, torch.Tensor], origin: dict) -> None:
+def _write_run(out: Path, folder: Path, recipe: Recipe, tensors: dict[str, torch.Tensor], order: list[int],
+               pieces: dict[str, int], origin: dict) -> None:
     mark_run_dir(out)
-    (out / "tokenizer").mkdir()
-    shutil.copyfile(folder / "source.spm", out / "tokenizer" / "spm.model")
+    _write_tokenizer(out / "tokenizer", folder, order, pieces)
     recipe.save(out / "recipe.toml")
     task = make_task(recipe)
     task.load_vocabulary(out)
     model = task.build_model(init=False)
-    load_marian_tensors(model, tensors, recipe.model.d_model)
+    load_marian_tensors(model, tensors, recipe.model.d_model, order)
     (out / "checkpoints").mkdir()
     meta = {"recipe": recipe.to_dict(), "step": 0, "tokenizer": tokenizer_digest(out), "imported": origin}
     save_checkpoint(out / "checkpoints" / "best.safetensors", model, meta=meta)
     (out / IMPORTED).write_text(json.dumps(origin, indent=2) + "\n", encoding="utf-8")
+
+
+def _write_tokenizer(directory: Path, folder: Path, order: list[int], pieces: dict[str, int]) -> None:
+    """spm.model where the checkpoint's ids are the sentencepiece model's own and xformer's (one
+    model for both sides); else source.spm, target.spm and vocab.json renumbered by `order`."""
+    directory.mkdir()
+    source = folder / "source.spm"
+    processor = sentencepiece.SentencePieceProcessor(model_file=str(source))
+    own = (order == list(range(len(order))) and source.read_bytes() == (folder / "target.spm").read_bytes()
+           and (processor.pad_id(), processor.unk_id(), processor.bos_id(), processor.eos_id()) == (0, 1, 2, 3)
+           and all(i < processor.get_piece_size() and processor.id_to_piece(i) == p for p, i in pieces.items()))
+    if own:
+        shutil.copyfile(source, directory / "spm.model")
+        return
+    names = {i: p for p, i in pieces.items()}
+    renumbered = {names[o] if o >= 0 else "<xformer-pad>": x for x, o in enumerate(order)}
+    for name in ("source.spm", "target.spm"):
+        shutil.copyfile(folder / name, directory / name)
+    (directory / VOCABULARY).write_text(json.dumps(renumbered, ensure_ascii=False), encoding="utf-8")
 
 
 def _provenance(folder: Path) -> dict:

@@ -61,6 +61,8 @@ from xformer.training.resume import (
     branch,
     branch_name,
     has_checkpoint,
+    init_from,
+    init_weights,
     prepare_run_dir,
     resume_point,
     resumed_recipe,
@@ -117,7 +119,7 @@ def run(
     recipe: Recipe, out_dir: str | Path, *, device: str = "auto", resume: bool = False,
     overwrite: bool = False, on_event: Event | None = None, recipe_path: str | Path | None = None,
     measure_memory: bool = False, branch_from: str | Path | None = None, at_step: int | None = None,
-    reporting: Reporting = Reporting(),
+    reporting: Reporting = Reporting(), init: str | Path | None = None, init_checkpoint: str | None = None,
 ) -> TrainResult:
     """Train the recipe's model into `out_dir`; see the module docstring for what is written.
     `recipe_path` is the file the recipe was read from: never written to, and never inside a
@@ -127,6 +129,8 @@ def run(
     `branch_from` / `at_step`: out_dir starts as that run stood at that step (resume.branch),
     and trains on with this recipe's values, recorded as a change at that step.
     `reporting`: the trackers each log line and validation also go to (xformer.training.trackers).
+    `init`: a new run whose first weights and tokenizer are that run's `init_checkpoint` (default:
+    its eval.checkpoint), trained from step 0 with a fresh optimizer (a fine-tune; resume.init_from).
 
     Started by torchrun (WORLD_SIZE > 1), every process calls this; see xformer.training.distributed."""
     cluster = cluster_from_env(device, recipe.train.accumulate_steps)
@@ -140,6 +144,16 @@ def run(
             (on_event or ignore)("setup", {"message": f"branched from {found} (step {at_step})"})
         cluster.barrier()
         resume = True
+    if init is not None:  # a new run folder holding `init`'s tokenizer, then trained from its weights
+        if resume or overwrite or branch_from is not None:
+            raise RunError("--init-from starts a new run from another's weights: neither --resume, --overwrite nor "
+                           "--branch-from")
+        if cluster.writer:
+            with FolderLock(Path(out_dir), "train"):
+                found = init_from(Path(init), init_checkpoint, Path(out_dir), recipe,
+                                  Path(recipe_path) if recipe_path else None)
+            (on_event or ignore)("setup", {"message": f"weights and tokenizer from {found}"})
+        cluster.barrier()
     log, result = MetricsLog(Path(out_dir), reporting, on_event, cluster.writer), None
     try:
         with contextlib.ExitStack() as hold:  # the run folder's lock, once _run takes it
@@ -327,7 +341,10 @@ def _open(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resum
         card = run_card(whole, rt, recipe.data.fingerprints())
 
     # the model, its optimizer, and its compiled forward where asked (tried on the first batch)
-    model = use_fast_dropout(task.build_model(), recipe.train.fast_paths).to(rt.device)
+    model = task.build_model()
+    if not resumable:
+        init_weights(model, out_dir)  # `train --init-from`: the weights it names
+    model = use_fast_dropout(model, recipe.train.fast_paths).to(rt.device)
     optimizer = build_optimizer(model, recipe.train)
     trained = model
     if recipe.train.compile:

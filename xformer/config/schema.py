@@ -124,6 +124,8 @@ class ModelConfig:
     qkv: QKV = field(default="separate", metadata=only_when("arch", "seq2seq", "classifier"))
     scale_embeddings: bool = True
     tie_embeddings: TieEmbeddings = field(default="decoder", metadata=only_when("arch", "seq2seq"))
+    # a bias on the output logits (Marian's final_logits_bias; imported models carry one)
+    output_bias: bool = field(default=False, metadata=only_when("arch", "seq2seq"))
     pooling: Pooling = field(default="mean", metadata=only_when("arch", "classifier", "lstm"))
     # The LSTM baseline (arch = "lstm"): embeddings of d_model, lstm_layers layers of lstm_hidden
     # units; lstm_hidden = 0 sizes it to the parameter count of the Transformer classifier that
@@ -454,6 +456,8 @@ class Recipe:
                if name != "distill" or self.distill.teacher}
         if not self.eval.quantize:
             del out["eval"]["quantize"]
+        if not out["model"].get("output_bias", True):  # off: recipes written before the field read the same
+            del out["model"]["output_bias"]
         if self.changes:
             out["changes"] = [{"step": c.step, "set": dict(c.set), "was": dict(c.was)} for c in self.changes]
         return out

@@ -6,8 +6,14 @@ embeddings are tied) or one model per language. A tokenizer lives in a directory
     spm.model                      joint
     spm.<source>.model  spm.<target>.model   separate
 
-Every model is trained with the same special ids, so the model, the batcher and the decoder
-can use the constants below without asking the tokenizer:
+or, for a model trained elsewhere (xformer import), as
+
+    source.spm  target.spm  vocab.json     two models, one vocabulary: vocab.json numbers the
+                                           pieces either model produces (MarianTokenizer's layout)
+
+Every model is trained with the same special ids (and an imported vocab.json is renumbered to
+them), so the model, the batcher and the decoder can use the constants below without asking the
+tokenizer:
 
     PAD_ID = 0   UNK_ID = 1   BOS_ID = 2   EOS_ID = 3
 
@@ -19,6 +25,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
@@ -33,6 +40,7 @@ from xformer.errors import DataError
 from xformer.files import atomic_write_bytes
 
 PAD_ID, UNK_ID, BOS_ID, EOS_ID = 0, 1, 2, 3
+VOCABULARY = "vocab.json"  # an imported tokenizer's numbering of the pieces (module docstring)
 Side = Literal["source", "target"]
 
 _DROPPED_ON_DECODE = frozenset((PAD_ID, BOS_ID, EOS_ID))
@@ -47,13 +55,19 @@ class Tokenizer:
     """Source and target sentencepiece models (the same object twice when `joint`)."""
 
     def __init__(self, source: spm.SentencePieceProcessor, target: spm.SentencePieceProcessor,
-                 files: list[Path], *, joint: bool):
+                 files: list[Path], *, joint: bool, vocabulary: list[str] | None = None):
         self._models = {"source": source, "target": target}
         self.files = files
-        self.joint = joint
+        self.joint = joint  # one vocabulary for both sides
+        # an imported vocab.json: the piece of every id, in id order, and its inverse (None: the
+        # sentencepiece models' own ids)
+        self._pieces = vocabulary
+        self._ids = {piece: i for i, piece in enumerate(vocabulary)} if vocabulary is not None else None
         # Identifies the vocabularies (not the paths): encoded corpora are cached under it.
-        protos = [source.serialized_model_proto()] if joint else [
+        protos = [source.serialized_model_proto()] if source is target else [
             source.serialized_model_proto(), target.serialized_model_proto()]
+        if vocabulary is not None:
+            protos.append("\n".join(vocabulary).encode("utf-8"))
         self.digest = hashlib.sha256(b"".join(hashlib.sha256(p).digest() for p in protos)).hexdigest()
 
     @classmethod
@@ -61,6 +75,8 @@ class Tokenizer:
         """Read `spm.model`, or `spm.<source_lang>.model` and `spm.<target_lang>.model`, from
         `directory`. DataError naming the path when it is missing or not a usable model."""
         directory = Path(directory)
+        if (directory / VOCABULARY).is_file():
+            return cls._load_mapped(directory)
         joint_file = directory / "spm.model"
         source_file = directory / f"spm.{source_lang}.model"
         target_file = directory / f"spm.{target_lang}.model"
@@ -82,15 +98,43 @@ class Tokenizer:
                 raise DataError(f"{path}: no such file; separate vocabularies need one model per language")
         return cls(_load_model(source_file), _load_model(target_file), [source_file, target_file], joint=False)
 
+    @classmethod
+    def _load_mapped(cls, directory: Path) -> Tokenizer:
+        """source.spm and target.spm segment, vocab.json numbers the pieces (module docstring)."""
+        path = directory / VOCABULARY
+        try:
+            table = json.loads(path.read_text(encoding="utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+            raise DataError(f"{path}: not JSON ({exc})") from None
+        ids = sorted(table.values()) if isinstance(table, dict) else None
+        if ids != list(range(len(ids or []))) or len(table) < 4:
+            raise DataError(f"{path}: expected an object numbering its pieces 0 to N-1, each id once")
+        pieces = [""] * len(table)
+        for piece, i in table.items():
+            pieces[i] = piece
+        files = [directory / "source.spm", directory / "target.spm"]
+        for file in files:
+            if not file.is_file():
+                raise DataError(f"{file}: no such file; a vocab.json needs source.spm and target.spm beside it")
+        source, target = (_load_model(f, special=False) for f in files)
+        if files[0].read_bytes() == files[1].read_bytes():
+            target = source
+        return cls(source, target, files, joint=True, vocabulary=pieces)
+
     def encode(self, texts: Sequence[str | None], side: Side) -> list[list[int]]:
         """Piece ids of each text, without BOS/EOS: a list of B lists of varying length.
         A missing text (None, a null in JSON) encodes as empty."""
-        return self._model(side).encode([t or "" for t in texts], out_type=int)
+        if self._ids is None:
+            return self._model(side).encode([t or "" for t in texts], out_type=int)
+        return [[self._ids.get(p, UNK_ID) for p in seq] for seq in self.pieces(texts, side)]
 
     def sampler(self, texts: Sequence[str | None], side: Side, *, alpha: float, nbest: int = -1) -> UnigramSampler:
         """Sampled segmentations of `texts` (subword regularization, Kudo 2018, arXiv:1804.10959),
         drawn with numpy generators, so a seed gives the same pieces in every process; see
         xformer.data.sampling for why not sentencepiece's own sampler. Unigram models only."""
+        if self._ids is not None:
+            raise DataError("data.sampling_alpha: subword sampling needs the sentencepiece model's own ids; this "
+                            "tokenizer numbers its pieces by vocab.json (an imported model): set sampling_alpha = 0")
         return UnigramSampler(self._model(side), texts, alpha=alpha, nbest=nbest)
 
     def pieces(self, texts: Sequence[str | None], side: Side) -> list[list[str]]:
@@ -104,17 +148,22 @@ class Tokenizer:
         if hasattr(ids, "tolist"):
             ids = ids.tolist()
         kept = [[i for i in seq if i not in _DROPPED_ON_DECODE] for seq in ids]
-        return self._model(side).decode(kept)
+        if self._pieces is None:
+            return self._model(side).decode(kept)
+        model = self._model(side)
+        return [model.decode_pieces([self._pieces[i] for i in seq]) for seq in kept]
 
     def piece(self, i: int, side: Side) -> str:
         """The piece string of id i."""
-        return self._model(side).id_to_piece(i)
+        return self._model(side).id_to_piece(i) if self._pieces is None else self._pieces[i]
 
     def vocab_size(self, side: Side) -> int:
-        return self._model(side).get_piece_size()
+        return self._model(side).get_piece_size() if self._pieces is None else len(self._pieces)
 
     def vocabulary(self, side: Side) -> list[str]:
         """The piece of every id, in id order."""
+        if self._pieces is not None:
+            return list(self._pieces)
         model = self._model(side)
         return [model.id_to_piece(i) for i in range(model.get_piece_size())]
 
@@ -219,7 +268,8 @@ def _sentences(split: datasets.Dataset, columns: list[str], max_sentences: int, 
             yield from (text for text in batch[column] if text)
 
 
-def _load_model(path: Path) -> spm.SentencePieceProcessor:
+def _load_model(path: Path, special: bool = True) -> spm.SentencePieceProcessor:
+    """The sentencepiece model at `path`; with `special`, one of xformer's special ids."""
     model = spm.SentencePieceProcessor()
     try:
         model.Load(model_file=str(path))
@@ -227,7 +277,7 @@ def _load_model(path: Path) -> spm.SentencePieceProcessor:
         reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise DataError(f"{path}: cannot read as a sentencepiece model ({reason})") from None
     found = (model.pad_id(), model.unk_id(), model.bos_id(), model.eos_id())
-    if found != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
+    if special and found != (PAD_ID, UNK_ID, BOS_ID, EOS_ID):
         raise DataError(
             f"{path}: special ids pad/unk/bos/eos are {'/'.join(map(str, found))}, expected "
             f"{PAD_ID}/{UNK_ID}/{BOS_ID}/{EOS_ID}; train it with xformer's train_tokenizer"

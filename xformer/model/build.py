@@ -95,7 +95,7 @@ def build_model(
         decoder_layers = [transformer_layer(cfg, position=tgt_position, pattern=own, cross=True)
                           for _ in range(cfg.n_decoder_layers)]
         decoder = Decoder(embedder(tgt_embedding, tgt_position), decoder_layers, final_norm(), own)
-        output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=False)
+        output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=cfg.output_bias)
         if cfg.tie_embeddings != "none":
             output.weight = tgt_embedding.weight  # weight tying, Press & Wolf 2017, arXiv:1608.05859
         model = Seq2Seq(encoder, decoder, output, pad_id)
@@ -192,6 +192,8 @@ def init_fairseq_(model: nn.Module, d_model: int) -> None:
                 nn.init.zeros_(module.embedding.weight[module.embedding.padding_idx])
     if isinstance(model, Seq2Seq) and model.output.weight is not model.decoder.embed.embedding.weight:
         nn.init.normal_(model.output.weight, mean=0.0, std=d_model**-0.5)
+    if isinstance(model, Seq2Seq) and model.output.bias is not None:
+        nn.init.zeros_(model.output.bias)
     if isinstance(model, Classifier):
         nn.init.xavier_uniform_(model.head.weight)
         nn.init.zeros_(model.head.bias)

@@ -12,6 +12,10 @@ values may change: each change is recorded in RUN/recipe.toml as a [[changes]] t
 step it took effect at (config.Change), and in train.json, so the recipe in the run folder
 reproduces the run: a new run of it replays every change at its step (train.run).
 
+A run initialised from another (`train --init-from RUN`, a fine-tune) is a new run folder holding
+RUN's tokenizer and RUN/init-from.json: its weights are RUN's checkpoint, its optimizer and step
+start afresh.
+
 A branch (`train --branch-from RUN --at-step N`) is a new run folder holding RUN as it stood at
 step N (a full checkpoint of that step: train.branch_every keeps them), resumed with the values
 given: a wsd run's cooldown from any step of its stable phase, say.
@@ -32,9 +36,10 @@ from xformer.config.schema import CHANGEABLE, FIXED_ON_RESUME, Change, Recipe
 from xformer.errors import RunError
 from xformer.files import atomic_write_text
 from xformer.training.budget import keep_fitted
-from xformer.training.checkpoint import read_checkpoint, read_checkpoint_meta, write_tensors
+from xformer.training.checkpoint import load_model_weights, read_checkpoint, read_checkpoint_meta, write_tensors
 from xformer.training.run_folder import (
     BRANCHED,
+    INITIALISED,
     check_out_dir,
     check_tokenizer,
     clear_run_dir,
@@ -230,3 +235,58 @@ def branch(source: Path, step: int, out_dir: Path, recipe_path: Path | None = No
     atomic_write_text(out_dir / BRANCHED, json.dumps({"source": str(source), "step": step, "checkpoint": found.name},
                                                     indent=2) + "\n")
     return found
+
+
+# [model] fields a fine-tune may set anew: regularisation and kernels, which shape no weight
+FREE_ON_INIT = ("dropout", "attention_dropout", "activation_dropout", "head_dropout", "attention_backend")
+
+
+def init_from(source: Path, checkpoint: str | None, out_dir: Path, recipe: Recipe,
+              recipe_path: Path | None = None) -> Path:
+    """Make out_dir (new, or empty) a run that starts from `source`'s weights: its tokenizer
+    copied, RUN/init-from.json naming the checkpoint (default: source's eval.checkpoint). The
+    recipe's [model] must be source's, dropout and kernels aside. Training then starts at step 0
+    with a fresh optimizer (init_weights loads the weights once the model is built), unlike a
+    branch, which keeps the optimizer's state and step. Returns the checkpoint."""
+    if not is_run_dir(source):
+        raise RunError(f"{source}: not a run directory (no recipe.toml); --init-from names a trained or imported run")
+    theirs = load_recipe(source / "recipe.toml")
+    path = source / "checkpoints" / f"{checkpoint or theirs.eval.checkpoint}.safetensors"
+    if not path.is_file():
+        found = sorted(p.stem for p in path.parent.glob("*.safetensors"))
+        raise RunError(f"{path}: no such checkpoint (found: {', '.join(found) or 'none'})")
+    differ = [f.name for f in fields(recipe.model) if f.name not in FREE_ON_INIT
+              and getattr(recipe.model, f.name) != getattr(theirs.model, f.name)]
+    if differ:
+        raise RunError([f"model.{k}: {source} has {getattr(theirs.model, k)!r}, the recipe "
+                        f"{getattr(recipe.model, k)!r}; --init-from needs the same architecture (only dropout and "
+                        "attention_backend may differ)" for k in differ])
+    tensors, meta = read_checkpoint(path)
+    check_tokenizer(source, path, meta)
+    bad = not_finite(tensors, meta)
+    if bad:
+        raise RunError(f"{path}: {bad}; initialise from another checkpoint")
+    prepare_run_dir(out_dir, recipe, resume=False, overwrite=False, recipe_path=recipe_path)
+    shutil.copytree(source / "tokenizer", out_dir / "tokenizer", dirs_exist_ok=True)
+    record = {"source": str(source.resolve()), "checkpoint": path.name, "step": meta.get("step"),
+              "sha256": meta.get("sha256")}
+    if "imported" in meta:
+        record["imported"] = {k: meta["imported"].get(k) for k in ("source", "revision", "licence", "attribution")}
+    atomic_write_text(out_dir / INITIALISED, json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def init_weights(model: torch.nn.Module, out_dir: Path) -> dict | None:
+    """Load the weights RUN/init-from.json names into a freshly built `model`, if the run has
+    one (its record), checking they are still the ones recorded."""
+    record_file = out_dir / INITIALISED
+    if not record_file.is_file():
+        return None
+    record = json.loads(record_file.read_text(encoding="utf-8"))
+    path = Path(record["source"]) / "checkpoints" / record["checkpoint"]
+    tensors, meta = read_checkpoint(path)
+    if meta.get("sha256") != record["sha256"]:
+        raise RunError(f"{path}: changed since this run was set up to start from it ({out_dir / INITIALISED}); "
+                       "start a new run with --init-from")
+    load_model_weights(model, tensors, path)
+    return record

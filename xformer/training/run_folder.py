@@ -27,8 +27,10 @@ from xformer.training.checkpoint import read_checkpoint_meta
 MARKER = "xformer-run.json"
 BRANCHED = "branched-from.json"  # where `train --branch-from` took the run from, and at which step
 IMPORTED = "imported-from.json"  # where `xformer import` took the model from (xformer.importing)
+INITIALISED = "init-from.json"  # the run and checkpoint `train --init-from` took the first weights from
 ARTEFACTS = ("recipe.toml", "tokenizer", "metrics.jsonl", "checkpoints", "train.json", "eval", "eval.json", MARKER,
-             "copied-from.json", BRANCHED, IMPORTED,  # copied-from: where `experiment --reuse` copied the run from
+             "copied-from.json", BRANCHED,  # copied-from: where `experiment --reuse` copied the run from
+             IMPORTED, INITIALISED,
              "trackers.json", "tensorboard", "wandb")  # --report-to's (xformer.training.trackers)
 
 
@@ -76,7 +78,7 @@ def clear_run_dir(out_dir: Path, *, overwrite: bool, check_only: bool = False) -
     if not out_dir.is_dir():
         raise RunError(f"{out_dir}: is a file, not a directory; choose another --out")
     entries = {p.name for p in out_dir.iterdir()}
-    if entries <= {"tokenizer", MARKER, LOCK}:
+    if entries <= {"tokenizer", MARKER, LOCK, INITIALISED}:  # ready to train: tokenize, or --init-from, set it up
         return []
     if not is_run_dir(out_dir):
         raise RunError(f"{out_dir}: not empty and not an xformer run directory (no {MARKER}); "
