@@ -10,8 +10,10 @@
 
 The mapping is exact for the architecture Marian has: Post-LN LayerNorm layers with biases,
 sinusoidal positions from 0, tokens scaled by sqrt(d_model), multi-head attention (no GQA),
-ReLU, GELU or SiLU (Marian's swish) FFNs, full attention, one joint vocabulary with every embedding tied
-(model.tie_embeddings = "all"). Anything else is refused with the field that stands in the way.
+ReLU, GELU or SiLU (Marian's swish) FFNs, full attention, one joint vocabulary (embeddings tied as
+model.tie_embeddings says: "all" is Marian's shared embeddings, "decoder" and "none" its
+share_encoder_decoder_embeddings = false, with tie_word_embeddings true and false). Anything
+else is refused with the field that stands in the way.
 
 Marian's sinusoids put every sine in the first half of the features and every cosine in the
 second, where xformer interleaves them (Vaswani's layout); the two tables are one permutation of
@@ -51,11 +53,13 @@ def marian_problems(recipe) -> list[str]:
     """Why the recipe's model cannot be a MarianMTModel (empty: it can)."""
     m = recipe.model
     wanted = {"arch": "seq2seq", "positional": "sinusoidal", "norm": "layernorm", "norm_position": "post",
-              "attention": "full", "tie_embeddings": "all", "memory_tokens": 0, "downsample_every": 0,
-              "scale_embeddings": True, "residual": True}
+              "attention": "full", "memory_tokens": 0, "downsample_every": 0, "scale_embeddings": True,
+              "residual": True}
     out = [f"model.{k}: Marian has {v!r}, found {getattr(m, k)!r}" for k, v in wanted.items()
            if getattr(m, k) != v and not (k == "downsample_every" and getattr(m, k) >= m.n_encoder_layers)]
     if m.arch == "seq2seq":
+        if not recipe.data.joint_vocab:
+            out.append("data.joint_vocab: Marian numbers both languages' pieces in one vocabulary, found false")
         if m.ffn not in MARIAN_ACTIVATION:
             out.append(f"model.ffn: Marian has relu, gelu or silu (its swish), found {m.ffn!r}")
         if m.kv_heads != m.n_heads:
@@ -144,7 +148,8 @@ def _write_marian(model, recipe, out: Path, tokenizer: Path) -> None:
         encoder_attention_heads=m.n_heads, decoder_attention_heads=m.n_heads, encoder_ffn_dim=m.d_ff,
         decoder_ffn_dim=m.d_ff, max_position_embeddings=m.max_positions, activation_function=MARIAN_ACTIVATION[m.ffn],
         dropout=m.dropout, attention_dropout=m.attention_dropout, activation_dropout=m.activation_dropout,
-        scale_embedding=True, share_encoder_decoder_embeddings=True, tie_word_embeddings=True,
+        scale_embedding=True, share_encoder_decoder_embeddings=m.tie_embeddings == "all",
+        tie_word_embeddings=m.tie_embeddings != "none", decoder_vocab_size=vocab,
         pad_token_id=PAD, eos_token_id=EOS, bos_token_id=BOS, decoder_start_token_id=BOS, forced_eos_token_id=EOS,
         num_beams=recipe.eval.beam, max_length=m.max_positions)
     hf = MarianMTModel(config)
@@ -254,8 +259,13 @@ def marian_names(model) -> list[tuple[str, torch.Tensor, str]]:
                     (f"{prefix}.fc2.weight", module.fc2.weight, "rows"),
                     (f"{prefix}.fc2.bias", module.fc2.bias, "rows")])
 
-    embedding = model.encoder.embed.embedding.weight
-    out.extend((name, embedding, "cols") for name in EMBEDDINGS)
+    source, target = model.encoder.embed.embedding.weight, model.decoder.embed.embedding.weight
+    if source is target:  # model.tie_embeddings = "all": one matrix under all four names
+        out.extend((name, source, "cols") for name in EMBEDDINGS)
+    else:  # "decoder" (the output is the target embedding) or "none"
+        out.extend([("model.encoder.embed_tokens.weight", source, "cols"),
+                    ("model.decoder.embed_tokens.weight", target, "cols"),
+                    ("lm_head.weight", model.output.weight, "cols")])
     if model.output.bias is not None:  # model.output_bias: Marian keeps it as a (1, V) buffer
         out.append(("final_logits_bias", model.output.bias, "row"))
     for i, layer in enumerate(model.encoder.layers):

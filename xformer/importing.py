@@ -22,7 +22,8 @@ pad gets a row of its own, zero, with an output bias of -1e4 (exp(-1e4) is 0 in 
 softmax over the others is unchanged). A model whose ids already are xformer's and whose two
 sentencepiece files are one (what `xformer export --format hf` writes) keeps tokenizer/spm.model;
 any other gets source.spm, target.spm and the renumbered vocab.json (xformer.data.tokenizer).
-Untied encoder embeddings (the larger opus-mt models) are refused by field for now.
+Untied embeddings (share_encoder_decoder_embeddings = false: the larger opus-mt models) are
+model.tie_embeddings = "decoder" ("none" where the output is untied too).
 """
 
 from __future__ import annotations
@@ -51,6 +52,8 @@ PAD_BIAS = -1e4  # the output bias of a pad row import adds: exp(-1e4) is 0 in f
 FILES = ("config.json", "generation_config.json", "tokenizer_config.json", "vocab.json", "source.spm", "target.spm",
          "model.safetensors", "model.safetensors.index.json", "pytorch_model.bin", "README.md", "LICENSE")
 ACTIVATION = {marian: ffn for ffn, marian in MARIAN_ACTIVATION.items()}  # Marian's activation_function -> model.ffn
+# (share_encoder_decoder_embeddings, tie_word_embeddings) -> model.tie_embeddings
+TIES = {(True, True): "all", (False, True): "decoder", (False, False): "none"}
 UNUSED = ("model.encoder.embed_positions.weight", "model.decoder.embed_positions.weight")  # sinusoids, recomputed
 
 
@@ -143,9 +146,9 @@ def import_problems(config: dict, folder: Path) -> list[str]:
     if config.get("activation_function") not in ACTIVATION:
         out.append(f"config.json: activation_function {config.get('activation_function')!r}; model.ffn has "
                    f"{', '.join(repr(a) for a in ACTIVATION)}")
-    for key in ("share_encoder_decoder_embeddings", "tie_word_embeddings"):
-        if config.get(key, True) is not True:
-            out.append(f"config.json: {key} false; model.tie_embeddings = 'all' (one matrix) is what import reads")
+    if config.get("share_encoder_decoder_embeddings", True) and not config.get("tie_word_embeddings", True):
+        out.append("config.json: tie_word_embeddings false with share_encoder_decoder_embeddings true: an output "
+                   "matrix of its own beside one shared embedding; model.tie_embeddings has all, decoder or none")
     vocab = config.get("vocab_size")
     if config.get("decoder_vocab_size") not in (None, vocab):
         out.append(f"config.json: decoder_vocab_size {config['decoder_vocab_size']} differs from vocab_size {vocab}; "
@@ -196,13 +199,15 @@ def relabelling(config: dict, pieces: dict[str, int], unk_token: str) -> list[in
 def _recipe(config: dict, tokenizer: dict, generation: dict, base: Recipe | None, overrides: list[str],
             output_bias: bool, vocab_size: int) -> Recipe:
     """The run's recipe: [model] from config.json, the rest from `base` and `overrides`."""
+    shared, tied = (bool(config.get(k, True)) for k in ("share_encoder_decoder_embeddings", "tie_word_embeddings"))
+    tie = TIES[shared, tied]
     model = {"arch": "seq2seq", "d_model": config["d_model"], "n_heads": config["encoder_attention_heads"],
              "d_ff": config["encoder_ffn_dim"], "n_encoder_layers": config["encoder_layers"],
              "n_decoder_layers": config["decoder_layers"], "ffn": ACTIVATION[config["activation_function"]],
              "dropout": config.get("dropout", 0.1), "attention_dropout": config.get("attention_dropout", 0.0),
              "activation_dropout": config.get("activation_dropout", 0.0),
              "max_positions": config.get("max_position_embeddings", 512), "positional": "sinusoidal",
-             "norm": "layernorm", "norm_position": "post", "norm_eps": 1e-5, "tie_embeddings": "all",
+             "norm": "layernorm", "norm_position": "post", "norm_eps": 1e-5, "tie_embeddings": tie,
              "scale_embeddings": bool(config.get("scale_embedding", True)), "output_bias": output_bias}
     raw = base.to_dict() if base is not None else {
         "data": {"source_lang": tokenizer.get("source_lang") or "src",
@@ -261,12 +266,19 @@ def load_marian_tensors(model, tensors: dict[str, torch.Tensor], d_model: int, o
     unpermute = {"rows": lambda t: t[inverse], "cols": lambda t: t[:, inverse], "": lambda t: t,
                  "row": lambda t: relabel(t[0], PAD_BIAS)}
     names = marian_names(model)
-    embedding = next((n for n in EMBEDDINGS if n in tensors), None)
-    if embedding is None:
-        raise RunError(f"no embedding tensor: expected one of {', '.join(EMBEDDINGS)}")
-    for name in EMBEDDINGS:
-        if name in tensors and not torch.equal(tensors[name], tensors[embedding]):
-            raise RunError(f"{name}: differs from {embedding}; model.tie_embeddings = 'all' needs one matrix")
+    groups: dict[int, list[str]] = {}  # Marian's names of each tied xformer matrix
+    for name, tensor, _ in names:
+        if name in EMBEDDINGS:
+            groups.setdefault(id(tensor), []).append(name)
+    held = {}  # each name -> the name it is read from: the first of its group the checkpoint holds
+    for group in groups.values():
+        first = next((n for n in group if n in tensors), None)
+        if first is None:
+            raise RunError(f"no embedding tensor: expected one of {', '.join(group)}")
+        for name in group:
+            if name in tensors and not torch.equal(tensors[name], tensors[first]):
+                raise RunError(f"{name}: differs from {first}; model.tie_embeddings ties them")
+            held[name] = first
     bias = tensors.get("final_logits_bias")
     if model.output.bias is None and bias is not None and bias.count_nonzero():
         raise RunError("final_logits_bias: not zero, and the recipe has no model.output_bias")
@@ -274,7 +286,7 @@ def load_marian_tensors(model, tensors: dict[str, torch.Tensor], d_model: int, o
         tensors = {**tensors, "final_logits_bias": torch.zeros(1, len(order) - order.count(-1))}
     with torch.no_grad():
         for name, tensor, axis in names:
-            value = tensors[embedding] if name in EMBEDDINGS else tensors.get(name)
+            value = tensors[held[name]] if name in held else tensors.get(name)
             if value is None:
                 raise RunError(f"{name}: missing from the checkpoint")
             value = unpermute[axis](value)
@@ -283,7 +295,7 @@ def load_marian_tensors(model, tensors: dict[str, torch.Tensor], d_model: int, o
             if value.shape != tensor.shape:
                 raise RunError(f"{name}: shape {tuple(value.shape)}, the config's model has {tuple(tensor.shape)}")
             tensor.copy_(value)
-    left = set(tensors) - {n for n, _, _ in names} - {"final_logits_bias", *UNUSED}
+    left = set(tensors) - {n for n, _, _ in names} - set(EMBEDDINGS) - {"final_logits_bias", *UNUSED}
     if left:
         raise RunError(f"{sorted(left)[0]}: a tensor xformer's model has no place for ({len(left)} such)")
 

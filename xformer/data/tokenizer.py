@@ -150,8 +150,9 @@ class Tokenizer:
         kept = [[i for i in seq if i not in _DROPPED_ON_DECODE] for seq in ids]
         if self._pieces is None:
             return self._model(side).decode(kept)
-        model = self._model(side)
-        return [model.decode_pieces([self._pieces[i] for i in seq]) for seq in kept]
+        model = self._model(side)  # a piece the side's model lacks passes through as written: "▁" made " ", as
+        # MarianTokenizer does
+        return [model.decode_pieces([self._pieces[i] for i in seq]).replace("\u2581", " ").strip() for seq in kept]
 
     def piece(self, i: int, side: Side) -> str:
         """The piece string of id i."""
