@@ -24,6 +24,7 @@ from xformer.training.checkpoint import read_checkpoint
 from xformer_cli.main import app
 
 runner = CliRunner()
+SHORT = ["eval.max_len_a=0", "eval.max_len_b=4"]  # hypotheses of at most 4 tokens
 SENTENCES = ["Ein Hund rennt im Schnee.", "Zwei Männer spielen Fußball auf einer Wiese.", "Eine Frau liest."]
 
 
@@ -163,7 +164,7 @@ def test_a_trained_export_searches_as_transformers_does(trained, tmp_path):
 
 def test_an_imported_model_goes_through_inspect_heads_with_pruning_and_export(hf_marian, corpus, tmp_path):
     need("transformers")
-    out = import_hf(hf_marian, tmp_path / "run", overrides=[f"data.dataset={json.dumps(str(corpus))}"])
+    out = import_hf(hf_marian, tmp_path / "run", overrides=[f"data.dataset={json.dumps(str(corpus))}", *SHORT])
     heads = runner.invoke(app, ["inspect-heads", str(out), "--n-examples", "8", "--prune", "--json"])
     assert heads.exit_code == 0, heads.output
     report = json.loads(heads.stdout)
@@ -309,7 +310,7 @@ def test_pickled_weights_load_as_tensors_only(hf_marian, tmp_path, capsys):
 def test_fine_tuning_starts_from_the_imported_weights_at_step_0(hf_marian, corpus, tmp_path):
     need("transformers")
     data = f"data.dataset={json.dumps(str(corpus))}"
-    imported = import_hf(hf_marian, tmp_path / "run", overrides=[data])
+    imported = import_hf(hf_marian, tmp_path / "run", overrides=[data, *SHORT])
     tuned = tmp_path / "tuned"
     args = ["train", str(imported / "recipe.toml"), "--init-from", str(imported), "--out", str(tuned),
             "--set", data, "--set", "train.valid_every=2", "--set", "train.lr=1e-4", "--max-steps", "2"]
@@ -327,3 +328,28 @@ def test_fine_tuning_starts_from_the_imported_weights_at_step_0(hf_marian, corpu
     assert 0 < moved < 0.01  # two small steps from the imported weights (a fresh init is ~1 away)
     again = runner.invoke(app, args)  # into a run that exists: refused, as any train without --resume
     assert again.exit_code == 2
+
+
+@pytest.mark.parametrize("opus_shaped", ["untied"], indirect=True)
+def test_an_opus_mt_layout_goes_through_eval_inspect_heads_with_pruning_and_fine_tuning(opus_shaped, corpus,
+                                                                                       tmp_path):
+    need("transformers")
+    data = f"data.dataset={json.dumps(str(corpus))}"
+    # random weights never end a sentence: short outputs keep the decodes of eval and pruning quick
+    out = import_hf(opus_shaped, tmp_path / "run", overrides=[data, *SHORT])
+    scored = runner.invoke(app, ["eval", str(out), "--beam", "2", "--json"])
+    assert scored.exit_code == 0, scored.output
+    assert json.loads(scored.stdout)["card"]["checkpoint"]["imported"]["source"] == str(opus_shaped.resolve())
+    heads = runner.invoke(app, ["inspect-heads", str(out), "--n-examples", "8", "--prune", "--json"])
+    assert heads.exit_code == 0, heads.output
+    assert json.loads(heads.stdout)["pruning"]
+    tuned = tmp_path / "tuned"
+    result = runner.invoke(app, ["train", str(out / "recipe.toml"), "--init-from", str(out), "--out", str(tuned),
+                                 "--set", data, "--set", "train.valid_every=2", "--set", "train.lr=1e-4",
+                                 "--max-steps", "2"])
+    assert result.exit_code == 0, result.output
+    start, _ = model_tensors(out)
+    tensors, meta = read_checkpoint(tuned / "checkpoints" / "last.safetensors")
+    assert meta["progress"]["step"] == 2
+    assert 0 < max((tensors[k] - start[k]).abs().max().item() for k in start) < 0.01
+    assert (tuned / "tokenizer" / "vocab.json").read_bytes() == (out / "tokenizer" / "vocab.json").read_bytes()
