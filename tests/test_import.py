@@ -353,3 +353,56 @@ def test_an_opus_mt_layout_goes_through_eval_inspect_heads_with_pruning_and_fine
     assert meta["progress"]["step"] == 2
     assert 0 < max((tensors[k] - start[k]).abs().max().item() for k in start) < 0.01
     assert (tuned / "tokenizer" / "vocab.json").read_bytes() == (out / "tokenizer" / "vocab.json").read_bytes()
+
+
+def test_beam_search_on_a_trained_model_in_the_opus_mt_layout_is_transformers(trained, tmp_path):
+    """The trained export renumbered by hand to opus-mt's layout (EOS 0, unk 1, pad = the decoder's
+    start = the last id; xformer's pad row dropped), so a model that ends its sentences: greedy and
+    beam search of the import give transformers' generate output."""
+    transformers = need("transformers")
+    from safetensors.torch import load_file, save_file
+
+    assert runner.invoke(app, ["export", str(trained), "--out", str(tmp_path / "hf")]).exit_code == 0
+    opus = tmp_path / "opus"
+    shutil.copytree(tmp_path / "hf", opus)
+    config = json.loads((opus / "config.json").read_text())
+    size = config["vocab_size"]
+    old_of_new = [3, 1, *range(4, size), 2]  # the export's id of each opus id: EOS, unk, the pieces, BOS as pad
+    tensors = load_file(str(opus / "model.safetensors"))
+    for name in [n for n in tensors if n.endswith("embed_tokens.weight") or n in ("model.shared.weight",
+                                                                                   "lm_head.weight")]:
+        tensors[name] = tensors[name][old_of_new].contiguous()
+    tensors["final_logits_bias"] = tensors["final_logits_bias"][:, old_of_new].contiguous()
+    save_file(tensors, str(opus / "model.safetensors"), metadata={"format": "pt"})
+    last = size - 2
+    config |= {"vocab_size": size - 1, "decoder_vocab_size": size - 1, "pad_token_id": last, "eos_token_id": 0,
+               "decoder_start_token_id": last, "bos_token_id": last, "forced_eos_token_id": 0}
+    (opus / "config.json").write_text(json.dumps(config))
+    generation = json.loads((opus / "generation_config.json").read_text())
+    generation |= {"pad_token_id": last, "eos_token_id": 0, "decoder_start_token_id": last, "bos_token_id": last,
+                   "forced_eos_token_id": 0, "suppress_tokens": [last]}
+    (opus / "generation_config.json").write_text(json.dumps(generation))
+    pieces = {i: p for p, i in json.loads((opus / "vocab.json").read_text()).items()}
+    (opus / "vocab.json").write_text(json.dumps({pieces[o]: n for n, o in enumerate(old_of_new)}, ensure_ascii=False))
+    tokenizer_config = json.loads((opus / "tokenizer_config.json").read_text())
+    tokenizer_config.pop("added_tokens_decoder", None)  # ids of the export's numbering: looked up in vocab.json
+    (opus / "tokenizer_config.json").write_text(json.dumps(tokenizer_config | {"pad_token": pieces[2]}))
+
+    out = import_hf(opus, tmp_path / "run")
+    model, _ = make_task(load_run_recipe(out)).open_run(out, "best", "cpu")
+    hf = transformers.MarianMTModel.from_pretrained(opus).eval()
+    theirs = transformers.MarianTokenizer.from_pretrained(opus)(SENTENCES, padding=True, return_tensors="pt")
+    assert theirs.input_ids.eq(0).sum().item() == len(SENTENCES)  # one EOS a sentence, 0 now
+    order = [-1, 1, last, 0, *range(2, last)]  # the opus id of each xformer id, as import numbers them
+    new_of = {o: x for x, o in enumerate(order)} | {last: 0}  # the opus pad pads: xformer's pad
+    src = theirs.input_ids.clone().apply_(lambda t: new_of[t])
+    with torch.no_grad():
+        for beam in (1, 4):
+            generated = hf.generate(input_ids=theirs.input_ids, attention_mask=theirs.attention_mask,
+                                    num_beams=beam, do_sample=False, max_new_tokens=25, length_penalty=1.0,
+                                    early_stopping=True)
+            ours = (greedy_decode(model, src, max_len_a=0.0, max_len_b=24) if beam == 1 else
+                    beam_search(model, src, beam=beam, lenpen=1.0, max_len_a=0.0, max_len_b=24))
+            assert max(len(h) for h in ours) < 24  # ended by the model
+            assert [[t for t in row[1:].tolist() if t not in (0, last)] for row in generated] == [
+                [order[t] for t in hyp] for hyp in ours], beam
