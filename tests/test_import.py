@@ -92,7 +92,7 @@ def test_export_then_import_is_the_identity(trained, corpus, tmp_path):
     exported, imported = tmp_path / "hf", tmp_path / "back"
     assert runner.invoke(app, ["export", str(trained), "--out", str(exported)]).exit_code == 0
     result = runner.invoke(app, ["import", "hf", str(exported), "--out", str(imported),
-                                 "--set", f"data.dataset={json.dumps(str(corpus))}"])
+                                 "--recipe", str(trained / "recipe.toml")])  # its [data], [train], [eval]
     assert result.exit_code == 0, result.output
     ours, _ = model_tensors(trained)
     theirs, meta = model_tensors(imported)
@@ -108,6 +108,9 @@ def test_export_then_import_is_the_identity(trained, corpus, tmp_path):
     card = json.loads(scored.stdout)["card"]["checkpoint"]
     assert card["final"] and card["imported"]["source"] == str(exported.resolve())
     assert "not the run's final one" not in scored.stderr
+    paired = runner.invoke(app, ["eval", str(imported), "--beam", "1", "--baseline", str(trained), "--json"])
+    assert paired.exit_code == 0, paired.output  # the same model: the same hypotheses, no difference
+    assert (json.loads(paired.stdout)["paired"]["difference"], json.loads(paired.stdout)["paired"]["p_value"]) == (0.0, 1.0)
 
     refused = runner.invoke(app, ["average", str(imported), "--last", "2"])
     assert refused.exit_code == 2 and "an imported model has one checkpoint" in refused.stderr
