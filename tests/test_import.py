@@ -110,7 +110,8 @@ def test_export_then_import_is_the_identity(trained, corpus, tmp_path):
     assert "not the run's final one" not in scored.stderr
     paired = runner.invoke(app, ["eval", str(imported), "--beam", "1", "--baseline", str(trained), "--json"])
     assert paired.exit_code == 0, paired.output  # the same model: the same hypotheses, no difference
-    assert (json.loads(paired.stdout)["paired"]["difference"], json.loads(paired.stdout)["paired"]["p_value"]) == (0.0, 1.0)
+    test = json.loads(paired.stdout)["paired"]
+    assert (test["difference"], test["p_value"]) == (0.0, 1.0)
 
     refused = runner.invoke(app, ["average", str(imported), "--last", "2"])
     assert refused.exit_code == 2 and "an imported model has one checkpoint" in refused.stderr
