@@ -27,7 +27,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -37,6 +36,7 @@ import torch
 from xformer.config.loading import load_run_recipe
 from xformer.data.tokenizer import VOCABULARY
 from xformer.errors import RunError
+from xformer.files import atomic_write_folder
 from xformer.generation.ctranslate2_engine import CT2_META, export_record, file_digests
 from xformer.tasks import make_task
 from xformer.training.run_folder import tokenizer_dir
@@ -91,18 +91,9 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, fmt: str = "hf", che
         raise RunError(f"quantize {quantize}: only int8, and only with format ctranslate2")
     checkpoint = checkpoint or recipe.eval.checkpoint
     model, _ = make_task(recipe).open_run(run_dir, checkpoint, "cpu", "fp32")
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        with _quiet_transformers():
-            _write(fmt, model, recipe, staging, run_dir, checkpoint, quantize)
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir
+    with _quiet_transformers():
+        return atomic_write_folder(out_dir, lambda staging: _write(fmt, model, recipe, staging, run_dir, checkpoint,
+                                                                    quantize))
 
 
 def _write(fmt: str, model, recipe, staging: Path, run_dir: Path, checkpoint: str, quantize: str | None) -> None:

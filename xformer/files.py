@@ -1,11 +1,12 @@
-"""Writing files so that a reader never sees half of one: a temporary file in the same folder,
-renamed over the target (atomic on POSIX and Windows)."""
+"""Writing files so that a reader never sees half of one: a temporary file (or folder) in the
+same folder, renamed over the target (atomic on POSIX and Windows)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -37,6 +38,24 @@ def atomic_write(path: str | Path, write: Callable[[str], None], *, previous: st
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def atomic_write_folder(folder: str | Path, fill: Callable[[Path], None]) -> Path:
+    """Call fill(staging) on a new temporary folder beside `folder` (which must be missing or
+    empty), then rename it to `folder`: a reader, or a kill, never finds it half-written."""
+    folder = Path(folder)
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{folder.name}.", dir=folder.parent))
+    try:
+        fill(staging)
+        os.chmod(staging, 0o755)  # mkdtemp makes 0700
+        if folder.exists():
+            folder.rmdir()  # empty, or this refuses
+        staging.rename(folder)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    return folder
 
 
 def atomic_write_text(path: str | Path, text: str) -> None:

@@ -32,7 +32,6 @@ import hashlib
 import json
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import sentencepiece
@@ -44,6 +43,7 @@ from xformer.config.schema import Recipe
 from xformer.data.tokenizer import VOCABULARY
 from xformer.errors import RunError
 from xformer.export import EMBEDDINGS, MARIAN_ACTIVATION, feature_order, marian_names
+from xformer.files import atomic_write_folder
 from xformer.tasks import make_task
 from xformer.training.checkpoint import save_checkpoint
 from xformer.training.run_folder import IMPORTED, mark_run_dir, tokenizer_digest
@@ -82,17 +82,9 @@ def import_hf(source: str | Path, out_dir: str | Path, *, base: Recipe | None = 
     output_bias = -1 in order or (bias is not None and bool(bias.count_nonzero()))
     recipe = _recipe(config, tokenizer, _json(folder / "generation_config.json", missing={}), base, overrides,
                      output_bias, len(order))  # with import's own pad row, where it adds one
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    try:
-        _write_run(staging, folder, recipe, tensors, order, pieces, {**origin, **_provenance(folder)})
-        if out_dir.exists():
-            out_dir.rmdir()  # empty, checked above
-        staging.rename(out_dir)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    return out_dir
+    origin |= _provenance(folder)
+    return atomic_write_folder(out_dir, lambda staging: _write_run(staging, folder, recipe, tensors, order, pieces,
+                                                                    origin))
 
 
 def _resolve(source: str) -> tuple[Path, dict]:
