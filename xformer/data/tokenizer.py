@@ -106,7 +106,8 @@ class Tokenizer:
             table = json.loads(path.read_text(encoding="utf-8"))
         except (UnicodeDecodeError, json.JSONDecodeError) as exc:
             raise DataError(f"{path}: not JSON ({exc})") from None
-        ids = sorted(table.values()) if isinstance(table, dict) else None
+        ids = sorted(table.values()) if isinstance(table, dict) and all(
+            type(i) is int for i in table.values()) else None
         if ids != list(range(len(ids or []))) or len(table) < 4:
             raise DataError(f"{path}: expected an object numbering its pieces 0 to N-1, each id once")
         pieces = [""] * len(table)
@@ -150,8 +151,8 @@ class Tokenizer:
         kept = [[i for i in seq if i not in _DROPPED_ON_DECODE] for seq in ids]
         if self._pieces is None:
             return self._model(side).decode(kept)
-        model = self._model(side)  # a piece the side's model lacks passes through as written: "▁" made " ", as
-        # MarianTokenizer does
+        # a piece the side's model lacks passes through as written: "▁" made " ", as MarianTokenizer does
+        model = self._model(side)
         return [model.decode_pieces([self._pieces[i] for i in seq]).replace("\u2581", " ").strip() for seq in kept]
 
     def piece(self, i: int, side: Side) -> str:
