@@ -110,7 +110,7 @@ def _json(path: Path, missing: dict | None = None) -> dict:
     if not path.is_file():
         if missing is not None:
             return missing
-        raise RunError(f"{path}: no such file; a MarianMTModel folder holds its config.json")
+        raise RunError(f"{path}: no such file; a MarianMTModel folder holds it")
     try:
         value = json.loads(path.read_text(encoding="utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError) as exc:

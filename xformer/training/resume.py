@@ -36,7 +36,13 @@ from xformer.config.schema import CHANGEABLE, FIXED_ON_RESUME, Change, Recipe
 from xformer.errors import RunError
 from xformer.files import atomic_write_text
 from xformer.training.budget import keep_fitted
-from xformer.training.checkpoint import load_model_weights, read_checkpoint, read_checkpoint_meta, write_tensors
+from xformer.training.checkpoint import (
+    load_model_weights,
+    read_checkpoint,
+    read_checkpoint_meta,
+    run_checkpoint,
+    write_tensors,
+)
 from xformer.training.run_folder import (
     BRANCHED,
     INITIALISED,
@@ -251,10 +257,7 @@ def init_from(source: Path, checkpoint: str | None, out_dir: Path, recipe: Recip
     if not is_run_dir(source):
         raise RunError(f"{source}: not a run directory (no recipe.toml); --init-from names a trained or imported run")
     theirs = load_recipe(source / "recipe.toml")
-    path = source / "checkpoints" / f"{checkpoint or theirs.eval.checkpoint}.safetensors"
-    if not path.is_file():
-        found = sorted(p.stem for p in path.parent.glob("*.safetensors"))
-        raise RunError(f"{path}: no such checkpoint (found: {', '.join(found) or 'none'})")
+    path = run_checkpoint(source, checkpoint or theirs.eval.checkpoint)
     differ = [f.name for f in fields(recipe.model) if f.name not in FREE_ON_INIT
               and getattr(recipe.model, f.name) != getattr(theirs.model, f.name)]
     if differ:
