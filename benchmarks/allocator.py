@@ -2,7 +2,7 @@
 
     python benchmarks/allocator.py [--data ../shared/data/multi30k] [--repeats 2]
         [--only bench_train,cpu_step,translate,longrange,experiment] [--flagship-steps 0] [--json FILE]
-        [--arena-max N] [--variant VAR=VALUE[,VAR=VALUE...]]...
+        [--arena-max N] [--variant VAR=VALUE[,VAR=VALUE...]]... [--precision fp32|bf16]
 
 Each workload runs as a whole process, once with XFORMER_ALLOCATOR=system (glibc as it comes) and
 once tuned, alternated `--repeats` times (system, tuned, system, tuned, ...) so a drift of the
@@ -20,10 +20,17 @@ tuned / system ratios; --json writes every process's figures.
     flagship      (--flagship-steps N > 0) xformer train of the flagship recipe for N steps, as many
                   as a 50-minute run takes on the CPU at hand (943 on a 2-core AVX2 EPYC in fp32)
 
---variant adds a process to each alternation: tuned, with those glibc variables set too (the user's
-own MALLOC_*_ settings win over tune_allocator's), e.g. `--variant MALLOC_TRIM_THRESHOLD_=268435456`.
+--variant adds a process to each alternation: tuned, with those variables set too (the user's own
+MALLOC_*_ settings win over tune_allocator's), e.g. `--variant MALLOC_TRIM_THRESHOLD_=268435456`;
+a variant that starts with "system+" or "tuned+" names its base, e.g.
+`--variant system+THP_MEM_ALLOC_ENABLE=1` (glibc as it comes, PyTorch's CPU tensors of 2 MiB and
+more on transparent huge pages).
 
 A flagship-sized run to translate with is trained first (60 steps) and kept in a temporary folder.
+Every workload that trains does so in one precision, --precision or what `precision = "auto"` picks
+on this CPU, probed once at the start: the probe times a matmul, so beside other work it may pick
+otherwise, and two processes of one alternation would not run the same workload. (The long-range
+sweep's recipes keep their own.)
 """
 
 from __future__ import annotations
@@ -47,7 +54,7 @@ seeds = [1]
 baseline = "relu"
 max_steps = 30
 set = ["data.max_tokens=2048", "train.warmup_steps=100", "train.valid_every=125", "train.average_last=0",
-       "train.log_every=25", "eval.beam=1"]
+       "train.log_every=25", "eval.beam=1", 'train.precision="{precision}"']
 
 [experiment.cells]
 relu = []
@@ -60,7 +67,7 @@ def measured(command: list[str], allocator: str, stdout: Path | None = None) -> 
     """Run `command` under XFORMER_ALLOCATOR=`allocator` (no MALLOC_*_ inherited; "tuned+arenaN":
     tuned, with glibc's MALLOC_ARENA_MAX=N too; "tuned+VAR=VALUE,...": tuned with those variables);
     the kernel's figures of the process and its children."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_") and k != "THP_MEM_ALLOC_ENABLE"}
     env["XFORMER_ALLOCATOR"], _, extra = allocator.partition("+")
     if extra.startswith("arena"):
         env["MALLOC_ARENA_MAX"] = extra.removeprefix("arena")
@@ -89,7 +96,9 @@ def workloads(args, scratch: Path) -> dict[str, tuple[list[str], callable]]:
     sources.write_text("\n".join(json.loads(line)["de"] for line in lines) + "\n", encoding="utf-8")
 
     spec = scratch / "experiment.toml"  # three flagship-sized cells (ReLU, GELU, SwiGLU), 30 steps each
-    spec.write_text(EXPERIMENT.format(recipe=json.dumps(str(RECIPE))), encoding="utf-8")
+    spec.write_text(EXPERIMENT.format(recipe=json.dumps(str(RECIPE)), precision=args.precision),
+                    encoding="utf-8")
+    pinned = f"train.precision={json.dumps(args.precision)}"
 
     def gflops(stdout: Path, _: Path) -> dict:
         report = json.loads(stdout.read_text())
@@ -115,7 +124,7 @@ def workloads(args, scratch: Path) -> dict[str, tuple[list[str], callable]]:
                       nothing),
         "experiment": ([*XFORMER, "experiment", str(spec), "--set", data, "--device", "cpu",
                         "--out", str(scratch / "experiment-{n}")], nothing),
-        "flagship": ([*XFORMER, "train", str(RECIPE), "--set", data, "--set", "train.max_time=0.0",
+        "flagship": ([*XFORMER, "train", str(RECIPE), "--set", data, "--set", pinned, "--set", "train.max_time=0.0",
                       "--max-steps", str(args.flagship_steps), "--device", "cpu",
                       "--out", str(scratch / "flagship-{n}")], nothing),
     }
@@ -131,8 +140,17 @@ def main() -> None:
     parser.add_argument("--arena-max", type=int, default=0,
                         help="also run tuned with MALLOC_ARENA_MAX=N (a third process each alternation)")
     parser.add_argument("--variant", action="append", default=[],
-                        help="also run tuned with these glibc variables (VAR=VALUE,...): a process each alternation")
+                        help="also run tuned (or system+...) with these variables (VAR=VALUE,...): "
+                             "a process each alternation")
+    parser.add_argument("--precision", default=None,
+                        help="the training precision of every workload that trains (default: what auto picks here, "
+                             "probed once at the start: under load the probe may pick otherwise)")
     args = parser.parse_args()
+    if args.precision is None:
+        from xformer.training.device import cpu_bf16
+
+        args.precision = "bf16" if cpu_bf16()[0] else "fp32"
+    print(f"workloads train in {args.precision}", flush=True)
     names = [n for n in args.only.split(",") if n] + (["flagship"] if args.flagship_steps > 0 else [])
     results: dict[str, list[dict]] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -140,15 +158,16 @@ def main() -> None:
         jobs = workloads(args, scratch)
         if "translate" in names:
             data = f"data.dataset={json.dumps(str(Path(args.data).resolve()))}"
-            measured([*XFORMER, "train", str(RECIPE), "--set", data, "--max-steps", "60", "--device", "cpu",
-                      "--out", str(scratch / "flagship")], "tuned")
+            pinned = f"train.precision={json.dumps(args.precision)}"
+            measured([*XFORMER, "train", str(RECIPE), "--set", data, "--set", pinned, "--max-steps", "60",
+                      "--device", "cpu", "--out", str(scratch / "flagship")], "tuned")
         count = 0
         for name in names:
             command, read = jobs[name]
             results[name] = []
             for repeat in range(args.repeats):
                 variants = [*([f"tuned+arena{args.arena_max}"] if args.arena_max else []),
-                            *(f"tuned+{v}" for v in args.variant)]
+                            *(v if v.startswith(("system+", "tuned+")) else f"tuned+{v}" for v in args.variant)]
                 for allocator in ("system", "tuned", *variants):
                     count += 1
                     stdout, written = scratch / f"{name}-{count}.out", scratch / f"{name}-{count}.json"
@@ -161,7 +180,8 @@ def main() -> None:
                         flush=True)
     print()
     for name, rows in results.items():
-        keys = [k for k in rows[0] if k not in ("allocator", "repeat")]
+        # a figure some process lacks (bf16 where the probe said it is emulated) is left out
+        keys = [k for k in rows[0] if k not in ("allocator", "repeat") and all(k in r for r in rows)]
         print(f"{name}: tuned / system (medians over {args.repeats} alternations)")
         for key in keys:
             system = statistics.median(r[key] for r in rows if r["allocator"] == "system")
