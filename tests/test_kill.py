@@ -179,7 +179,9 @@ def test_ctrl_c_while_the_command_loads_exits_130_without_a_traceback():
         from xformer_cli.entry import main
         main()
     """)
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    # as from a terminal: a shell that started pytest in the background hands its children SIGINT ignored
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     assert done.returncode == 130 and "Traceback" not in done.stderr, done.stderr
 
 
