@@ -87,6 +87,11 @@ def measured(command: list[str], allocator: str, stdout: Path | None = None) -> 
             "system_share": usage.ru_stime / cpu if cpu else 0.0}
 
 
+def pinned_precision(args) -> str:
+    """The --set that trains a workload in the one precision of this benchmark run."""
+    return f"train.precision={json.dumps(args.precision)}"
+
+
 def workloads(args, scratch: Path) -> dict[str, tuple[list[str], callable]]:
     """name -> (command line, reader of the workload's own figure from its stdout file)."""
     data = f"data.dataset={json.dumps(str(Path(args.data).resolve()))}"
@@ -98,7 +103,7 @@ def workloads(args, scratch: Path) -> dict[str, tuple[list[str], callable]]:
     spec = scratch / "experiment.toml"  # three flagship-sized cells (ReLU, GELU, SwiGLU), 30 steps each
     spec.write_text(EXPERIMENT.format(recipe=json.dumps(str(RECIPE)), precision=args.precision),
                     encoding="utf-8")
-    pinned = f"train.precision={json.dumps(args.precision)}"
+    pinned = pinned_precision(args)
 
     def gflops(stdout: Path, _: Path) -> dict:
         report = json.loads(stdout.read_text())
@@ -158,9 +163,8 @@ def main() -> None:
         jobs = workloads(args, scratch)
         if "translate" in names:
             data = f"data.dataset={json.dumps(str(Path(args.data).resolve()))}"
-            pinned = f"train.precision={json.dumps(args.precision)}"
-            measured([*XFORMER, "train", str(RECIPE), "--set", data, "--set", pinned, "--max-steps", "60",
-                      "--device", "cpu", "--out", str(scratch / "flagship")], "tuned")
+            measured([*XFORMER, "train", str(RECIPE), "--set", data, "--set", pinned_precision(args),
+                      "--max-steps", "60", "--device", "cpu", "--out", str(scratch / "flagship")], "tuned")
         count = 0
         for name in names:
             command, read = jobs[name]

@@ -21,8 +21,9 @@ peers of `bench peers`):
                                    kernel offers them (/sys/kernel/mm/transparent_hugepage)
 
 The heap alone kept up to 1.55x the resident memory of glibc's defaults (freed blocks between
-live ones stay resident); with the smaller trim and huge pages the peak is glibc's own, for 2%
-of its page faults (docs/results.md). PyTorch reads THP_MEM_ALLOC_ENABLE at its first CPU
+live ones stay resident); with the smaller trim and huge pages the peak is 0.87-1.01x glibc's in
+bf16, for 2% of its page faults, but a flagship training run in fp32 still peaked at 1.38x
+(docs/results.md, "Memory allocator"). PyTorch reads THP_MEM_ALLOC_ENABLE at its first CPU
 allocation, so the tuning must come before the first tensor: the xformer command calls it at
 start-up; a library user calls it once, before any tensor. XFORMER_ALLOCATOR=system leaves glibc
 and PyTorch as they are (an environment variable, not a recipe field: the allocator changes
