@@ -8,13 +8,19 @@
 # checkout therefore retrains nothing that is committed):
 #   xformer experiment recipes/claims/<spec>.toml --out RUNS/<spec> --reuse RUNS --jobs JOBS
 #   xformer claims --runs RUNS            (refreshes docs/claims/<spec>.json and docs/claims.md)
-# then appends a line to RUNS/chain.log (spec, minutes, when). Run it from a frozen copy of the
+# then appends a line to RUNS/chain.log (spec, minutes, when). Around each experiment, the
+# records of its finished runs (no checkpoints: xformer.studies.archive) are put back from
+# ARCHIVE/<spec> before it and kept there after it, so a spec stopped part way on one machine
+# resumes on another without training again what those records hold: commit ARCHIVE/<spec>
+# (about 0.1 MB a run) from the frozen copy when a machine may go; archive a spec still running
+# with `python -m xformer.studies.archive save SPEC RUNS/<spec> ARCHIVE/<spec>`. Run it from a frozen copy of the
 # code (git archive HEAD), not the tree being edited, and copy the records back
 # (docs/claims/<spec>.json) to commit them; rerunning the same command resumes a stopped
 # experiment from its checkpoints.
 # Environment: SPECS (default: every CPU-scale spec below), JOBS (runs at once, default 2, one
-# CPU thread each), DEVICE (default cpu), SPEC_DIR (default recipes/claims) and LEDGER (default
-# docs/claims.md; its records beside it in claims/).
+# CPU thread each), DEVICE (default cpu), SPEC_DIR (default recipes/claims), LEDGER (default
+# docs/claims.md; its records beside it in claims/) and ARCHIVE (default
+# benchmarks/records/ledger-runs).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:?usage: benchmarks/ledger_chain.sh RUNS [path/to/multi30k]}
@@ -29,6 +35,7 @@ device=${DEVICE:-cpu}
 spec_dir=${SPEC_DIR:-recipes/claims}
 ledger=${LEDGER:-docs/claims.md}
 records="$(dirname "$ledger")/claims"
+archive=${ARCHIVE:-benchmarks/records/ledger-runs}
 sets=()
 if [[ -n "$data" ]]; then
   sets+=(--set "data.dataset=\"${data}\"")
@@ -43,8 +50,10 @@ sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
   fi
   start=$(date +%s)
   status=0
+  python -m xformer.studies.archive restore "${archive}/${spec}" "$runs/${spec}"
   xformer experiment "${spec_dir}/${spec}.toml" --out "$runs/${spec}" --reuse "$runs" --device "$device" \
     --jobs "$jobs" "${sets[@]}" || status=$?
+  python -m xformer.studies.archive save "${spec_dir}/${spec}.toml" "$runs/${spec}" "${archive}/${spec}" || true
   if (( status != 0 )); then
     # one spec's failure (a bad spec, a crash) is logged and the chain goes on; a stop signal ends it
     echo "${spec} FAILED (exit ${status}) $(date -u +%FT%TZ)" >> "$runs/chain.log"

@@ -540,3 +540,59 @@ def test_runs_are_scored_at_longer_lengths_and_learned_positions_cannot_go_past_
     assert shown.exit_code == 0 and "cannot extrapolate to 64 tokens" in shown.output
     refused = runner.invoke(app, ["eval", str(tmp_path / "out" / "runs" / "one-s1"), "--length", "0"])
     assert refused.exit_code == 2
+
+
+def test_archived_runs_restored_on_another_machine_are_scored_from_their_records_not_trained(done, corpus, tmp_path):
+    """A finished experiment's runs archived without their checkpoints (xformer.studies.archive)
+    and put back into a new folder: the experiment trains and decodes nothing there, and its
+    scores, curves and paired tests are the first's. Only the baseline's first run keeps its
+    tokenizer (the test inputs' lengths); archiving again adds nothing, and a restore never
+    replaces a run folder that is there."""
+    from xformer.studies.archive import ARCHIVED, archive_runs, restore_runs
+    from xformer.studies.experiment import load_experiment
+
+    spec, out, report = done
+    dest = tmp_path / "records"
+    made = archive_runs(load_experiment(spec), out, dest)
+    assert sorted(made) == ["heads_1-s1", "heads_1-s2", "heads_2-s1", "heads_2-s2"]
+    assert not list(dest.rglob("*.safetensors")) and archive_runs(load_experiment(spec), out, dest) == []
+    assert [p.parent.name for p in dest.glob("*/tokenizer")] == ["heads_2-s1"]
+    best = json.loads((dest / "heads_1-s2" / ARCHIVED).read_text())["best"]
+    assert best["final"] and best["sha256"] and best["name"] == "best"
+    again = tmp_path / "again"
+    assert sorted(restore_runs(dest, again)) == sorted(made) and restore_runs(dest, again) == []
+    result = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(again), "--device", "cpu",
+                                 "--json"])
+    assert result.exit_code == 0, result.output
+    assert not list(again.rglob("*.safetensors")) and not list(again.rglob("checkpoints"))
+    mine = json.loads(result.stdout.strip().splitlines()[-1])
+    keys = ("cell", "seed", "test", "valid", "curve", "best_step")
+    assert [{k: r[k] for k in keys} for r in mine["runs"]] == [{k: r[k] for k in keys} for r in report["runs"]]
+    assert untimed(mine["cells"]) == untimed(report["cells"])
+
+
+def test_a_cell_is_archived_only_when_its_run_and_every_cooldown_are_finished(tmp_path):
+    """A cooldown branches from its run's checkpoints, so a cell whose cooldown is missing is
+    not archived: restored elsewhere, that cell trains again (run and cooldown), the archived
+    cell does not, and the scores of the archived cell are the first experiment's."""
+    from xformer.studies.archive import archive_runs, restore_runs
+    from xformer.studies.experiment import load_experiment
+
+    spec = tmp_path / "curve.toml"
+    spec.write_text(recall_spec([1]).replace("max_steps = 4", "budgets = [4, 8]"))
+    first = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "first"), "--device", "cpu", "--json"])
+    assert first.exit_code == 0, first.output
+    shutil.rmtree(tmp_path / "first" / "runs" / "one-s1-at4")
+    assert sorted(archive_runs(load_experiment(spec), tmp_path / "first", tmp_path / "records")) == ["two-s1",
+                                                                                                      "two-s1-at4"]
+    restore_runs(tmp_path / "records", tmp_path / "second")
+    second = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "second"), "--device", "cpu",
+                                 "--json"])
+    assert second.exit_code == 0, second.output
+    runs = tmp_path / "second" / "runs"
+    assert (runs / "one-s1" / "checkpoints").is_dir() and (runs / "one-s1-at4" / "checkpoints").is_dir()
+    assert not (runs / "two-s1" / "checkpoints").exists() and not (runs / "two-s1-at4" / "checkpoints").exists()
+    a, b = (json.loads(r.stdout.strip().splitlines()[-1]) for r in (first, second))
+    scores = [{(r["cell"], r.get("budget")): r["test"] for c in x["curves"] for r in c["runs"] if r["cell"] == "two"}
+              for x in (a, b)]
+    assert scores[0] == scores[1] and len(scores[0]) == 2

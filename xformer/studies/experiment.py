@@ -61,6 +61,7 @@ from xformer.events import Event, ignore
 from xformer.locks import FolderLock
 from xformer.results import ExperimentResult
 from xformer.significance import SIGNIFICANT
+from xformer.studies.archive import archived_best
 from xformer.studies.claims import Check, Claim, claim_from_table
 from xformer.studies.experiment_report import SPEEDS, write_results
 from xformer.studies.experiment_scoring import (
@@ -317,8 +318,8 @@ def _train_one(experiment: Experiment, out_dir: Path, index: int, cell: str, see
     if state == "new" and not run_dir.exists() and finished:
         recipe = experiment.recipe(cell, seed)
         source, rescore = same_run(recipe.to_dict(), finished)
-        if source is not None:
-            rescore = rescore or experiment.config.rescore
+        rescore = rescore or experiment.config.rescore
+        if source is not None and not (rescore and archived_best(source) is not None):  # archived: no weights
             copy_run(source, run_dir, recipe if rescore else None)
             emit("reused", {"cell": cell, "seed": seed, "source": str(source), "rescore": rescore})
             state = "trained"

@@ -12,6 +12,7 @@ from pathlib import Path
 from xformer.evaluate import CannotExtrapolate, evaluate_run
 from xformer.files import atomic_write_text
 from xformer.heads.roles import role_counts
+from xformer.studies.archive import archived_best
 from xformer.tasks import make_task, parameter_count
 from xformer.tasks.base import checkpoint_identity
 from xformer.training.checkpoint import read_checkpoint_meta
@@ -24,8 +25,9 @@ def score_run(run_dir: Path, cell: str, seed: int, device: str) -> dict:
     test = json.loads(summary.read_text()) if summary.is_file() else None
     # scored again unless eval.json scored the very tensors `best` holds now, of the finished run
     kept = (test or {}).get("card", {}).get("checkpoint", {})
+    best_now = archived_best(run_dir) or checkpoint_identity(run_dir, "best")[0]  # archived: as it was scored
     scored_here = (test is None or test.get("checkpoint") != "best" or not kept.get("final")
-                   or kept.get("sha256") != checkpoint_identity(run_dir, "best")[0]["sha256"])
+                   or kept.get("sha256") != best_now["sha256"])
     if scored_here:
         test = json.loads(evaluate_run(run_dir, checkpoint="best", device=device).to_json())
     provenance = run_dir / "copied-from.json"

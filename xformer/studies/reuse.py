@@ -12,6 +12,7 @@ from xformer.config.loading import load_recipe
 from xformer.config.schema import Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.files import atomic_write_text
+from xformer.studies.archive import archived_best
 from xformer.training.checkpoint import read_checkpoint
 from xformer.training.run_folder import run_state
 
@@ -46,8 +47,8 @@ def same_run(wanted: dict, finished: list[Path]) -> tuple[Path | None, bool]:
             continue
         if theirs == wanted:
             return run_dir, False
-        if trained_alike is None and _training(theirs) == _training(wanted):
-            trained_alike = run_dir
+        if trained_alike is None and _training(theirs) == _training(wanted) and archived_best(run_dir) is None:
+            trained_alike = run_dir  # to score again: an archived run has no weights to score
     return trained_alike, trained_alike is not None
 
 
@@ -77,7 +78,8 @@ def reused_branch(stable: Path, budget: int, wanted: dict) -> tuple[Path | None,
     wanted = {k: v for k, v in json.loads(json.dumps(wanted)).items() if k != "changes"}
     if theirs == wanted:
         return branch, False
-    return (branch, True) if _training(theirs) == _training(wanted) else (None, False)
+    rescorable = _training(theirs) == _training(wanted) and archived_best(branch) is None
+    return (branch, True) if rescorable else (None, False)
 
 
 def copy_run(source: Path, run_dir: Path, rescored: Recipe | None) -> None:
