@@ -10,10 +10,11 @@
 #   xformer claims --runs RUNS            (refreshes docs/claims/<spec>.json and docs/claims.md)
 # then appends a line to RUNS/chain.log (spec, minutes, when). Around each experiment, the
 # records of its finished runs (no checkpoints: xformer.studies.archive) are put back from
-# ARCHIVE/<spec> before it and kept there after it, so a spec stopped part way on one machine
-# resumes on another without training again what those records hold: commit ARCHIVE/<spec>
-# (about 0.1 MB a run) from the frozen copy when a machine may go; archive a spec still running
-# with `python -m xformer.studies.archive save SPEC RUNS/<spec> ARCHIVE/<spec>`. Run it from a frozen copy of the
+# ARCHIVE/<spec> before it (when archived from the spec and recipe as they are now) and kept
+# there after it, so a spec stopped part way on one machine resumes on another without training
+# again what those records hold: commit ARCHIVE/<spec> (about 0.1 MB a run) from the frozen copy
+# when a machine may go; archive a spec still running with
+# `python -m xformer.studies.archive save SPEC RUNS/<spec> ARCHIVE/<spec>`. Run it from a frozen copy of the
 # code (git archive HEAD), not the tree being edited, and copy the records back
 # (docs/claims/<spec>.json) to commit them; rerunning the same command resumes a stopped
 # experiment from its checkpoints.
@@ -50,7 +51,7 @@ sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
   fi
   start=$(date +%s)
   status=0
-  python -m xformer.studies.archive restore "${archive}/${spec}" "$runs/${spec}"
+  python -m xformer.studies.archive restore "${spec_dir}/${spec}.toml" "${archive}/${spec}" "$runs/${spec}" || true
   xformer experiment "${spec_dir}/${spec}.toml" --out "$runs/${spec}" --reuse "$runs" --device "$device" \
     --jobs "$jobs" "${sets[@]}" || status=$?
   python -m xformer.studies.archive save "${spec_dir}/${spec}.toml" "$runs/${spec}" "${archive}/${spec}" || true

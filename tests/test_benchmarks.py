@@ -51,7 +51,8 @@ def test_the_ledger_chain_resumes_from_committed_records_without_retraining(tmp_
     specs.mkdir()
     (specs / "depth.toml").write_text(SPEC)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "SPECS": "missing depth", "SPEC_DIR": str(specs), "LEDGER": str(ledger), "JOBS": "1"}
+           "SPECS": "missing depth", "SPEC_DIR": str(specs), "LEDGER": str(ledger), "JOBS": "1",
+           "ARCHIVE": str(tmp_path / "archive")}
 
     def chain(runs):
         done = subprocess.run(["bash", str(ROOT / "benchmarks" / "ledger_chain.sh"), str(runs)], env=env,
@@ -71,3 +72,8 @@ def test_the_ledger_chain_resumes_from_committed_records_without_retraining(tmp_
     (specs / "depth.toml").write_text(SPEC.replace("seeds = [1, 2, 3]", "seeds = [1, 2, 4]"))
     assert "measured already" not in chain(tmp_path / "fresh")
     assert json.loads(record.read_text())["results"]["seeds"] == [1, 2, 4]
+    # the first version's archived runs are moved aside, not restored into the second's folder
+    archived = sorted(p.name for p in (tmp_path / "archive").iterdir())
+    assert len(archived) == 2 and archived[0] == "depth" and archived[1].startswith("depth.")
+    assert {p.name for p in (tmp_path / "archive" / "depth").glob("*-s4")} and not list(
+        (tmp_path / "archive" / archived[1]).glob("*-s4"))

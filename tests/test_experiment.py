@@ -559,8 +559,13 @@ def test_archived_runs_restored_on_another_machine_are_scored_from_their_records
     assert [p.parent.name for p in dest.glob("*/tokenizer")] == ["heads_2-s1"]
     best = json.loads((dest / "heads_1-s2" / ARCHIVED).read_text())["best"]
     assert best["final"] and best["sha256"] and best["name"] == "best"
+    changed = spec.with_name("heads-edited.toml")  # another version of the spec: its archive is not restored
+    changed.write_text(spec.read_text() + "\n# edited\n")
+    assert restore_runs(dest, tmp_path / "other", load_experiment(changed)) == []
+    assert not (tmp_path / "other").exists()
     again = tmp_path / "again"
-    assert sorted(restore_runs(dest, again)) == sorted(made) and restore_runs(dest, again) == []
+    assert sorted(restore_runs(dest, again, load_experiment(spec))) == sorted(made)
+    assert restore_runs(dest, again) == []
     result = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(again), "--device", "cpu",
                                  "--json"])
     assert result.exit_code == 0, result.output

@@ -9,11 +9,12 @@ scored, nothing the experiment does with them needs the weights again: the score
 and the paired tests read the records. archive_runs copies those records, without the
 checkpoints (and without the tokenizer, but for the baseline's first run, whose tokenizer
 measures the test inputs' lengths), into DEST/<run>/ with an archived.json naming what was
-left out and the best checkpoint's identity as it was scored; restore_runs copies them back
-into an experiment's runs/ folder, where the experiment reads them as trained (run_state) and
-scored (archived_best). A cell whose run or any cooldown is not finished is not archived: its
-cooldowns branch from the run's checkpoints. Experiments that score a model again from its
-weights (lengths, inspect_heads, rescore) cannot be archived.
+left out and the best checkpoint's identity as it was scored, and DEST/spec.json with the
+digests of the spec and recipe they were trained from; restore_runs copies them back, from an
+archive of the spec as it is now, into an experiment's runs/ folder, where the experiment reads
+them as trained (run_state) and scored (archived_best). A cell whose run or any cooldown is not
+finished is not archived: its cooldowns branch from the run's checkpoints. Experiments that
+score a model again from its weights (lengths, inspect_heads, rescore) cannot be archived.
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ from xformer.tasks.base import checkpoint_identity
 from xformer.training.run_folder import run_state
 
 ARCHIVED = "archived.json"
-PINNED = "experiment.json"  # the experiment's settings as first run (experiment._pin)
+VERSION = "spec.json"  # the spec and recipe digests the archived runs were trained from (ledger.measured_from)
 LEFT_OUT = ("checkpoints", "tokenizer", ".lock", "trackers.json", "wandb")
 
 
@@ -44,7 +45,7 @@ def archive_runs(experiment, out_dir: str | Path, dest: str | Path) -> list[str]
                        "(lengths, inspect_heads or rescore), so they cannot be archived without them")
     runs, dest = Path(out_dir) / "runs", Path(dest)
     done = []
-    _keep_settings(Path(out_dir) / PINNED, dest / PINNED)
+    _keep_version(dest, _version(experiment))
     for cell in experiment.cells:
         for seed in c.seeds:
             keys = [run_key(cell, seed, b) for b in [0, *c.budgets[:-1]]]
@@ -59,14 +60,14 @@ def archive_runs(experiment, out_dir: str | Path, dest: str | Path) -> list[str]
     return done
 
 
-def restore_runs(src: str | Path, out_dir: str | Path) -> list[str]:
+def restore_runs(src: str | Path, out_dir: str | Path, experiment=None) -> list[str]:
     """Copy every archived run under SRC into OUT/runs where that run has no folder yet (a run
-    trained or begun here is never replaced); returns the runs restored."""
+    trained or begun here is never replaced); returns the runs restored. Given the experiment,
+    nothing is restored from an archive of another version of its spec or recipe."""
     src, runs = Path(src), Path(out_dir) / "runs"
     restored = []
-    if (src / PINNED).is_file() and not (Path(out_dir) / PINNED).exists():
-        Path(out_dir).mkdir(parents=True, exist_ok=True)
-        atomic_write_text(Path(out_dir) / PINNED, (src / PINNED).read_text())
+    if experiment is not None and stale_archive(src, experiment):
+        return restored
     for marker in sorted(src.glob(f"*/{ARCHIVED}")):
         target = runs / marker.parent.name
         if target.exists():
@@ -100,18 +101,32 @@ def _scored(run_dir: Path) -> bool:
     return bool(kept.get("final")) and kept.get("sha256") == best["sha256"]
 
 
-def _keep_settings(pinned: Path, kept: Path) -> None:
-    """Keep the experiment's pinned settings beside its archived runs: restored into a new
-    folder, they make it the same experiment's (and refuse records of another)."""
-    if not pinned.is_file():
-        raise RunError(f"{pinned.parent}: no {PINNED}; not a folder xformer experiment wrote")
-    if kept.is_file():
-        if json.loads(kept.read_text()) != json.loads(pinned.read_text()):
-            raise RunError(f"{kept}: the archive holds runs of an experiment with other settings than "
-                           f"{pinned}; archive these runs elsewhere")
-        return
-    kept.parent.mkdir(parents=True, exist_ok=True)
-    atomic_write_text(kept, pinned.read_text())
+def stale_archive(src: Path, experiment) -> bool:
+    """Whether the archive at SRC holds runs of another version of the experiment's spec or
+    recipe (digests as the ledger's records keep them): such runs are not this spec's."""
+    kept = Path(src) / VERSION
+    return kept.is_file() and json.loads(kept.read_text()) != _version(experiment)
+
+
+def _version(experiment) -> dict[str, str]:
+    from xformer.studies.ledger import measured_from  # the ledger imports the experiment, which imports this
+
+    return measured_from(Path(experiment.source), experiment)
+
+
+def _keep_version(dest: Path, version: dict[str, str]) -> None:
+    """Mark DEST as the archive of this version of the spec; an archive of an earlier version
+    there is moved aside to DEST.<its spec digest> (never deleted)."""
+    kept = dest / VERSION
+    if kept.is_file() and json.loads(kept.read_text()) != version:
+        old = json.loads(kept.read_text())["spec_sha256"][:12]
+        aside, n = dest.with_name(f"{dest.name}.{old}"), 1
+        while aside.exists():
+            aside, n = dest.with_name(f"{dest.name}.{old}-{n}"), n + 1
+        dest.rename(aside)
+    if not kept.is_file():
+        dest.mkdir(parents=True, exist_ok=True)
+        atomic_write_text(kept, json.dumps(version, indent=2) + "\n")
 
 
 def _archive_one(run_dir: Path, target: Path, keep_tokenizer: bool) -> None:
@@ -127,20 +142,32 @@ def _archive_one(run_dir: Path, target: Path, keep_tokenizer: bool) -> None:
 
 
 def main(argv: list[str]) -> None:
-    """python -m xformer.studies.archive save SPEC OUT DEST | restore DEST OUT (ledger_chain.sh)."""
+    """python -m xformer.studies.archive save SPEC OUT DEST | restore SPEC DEST OUT (ledger_chain.sh)."""
     if len(argv) == 4 and argv[0] == "save":
         from xformer.studies.experiment import load_experiment
 
         done = archive_runs(load_experiment(argv[1]), argv[2], argv[3])
         print(f"{argv[3]}: {len(done)} runs archived" + (f" ({', '.join(done)})" if done else ""))
-    elif len(argv) == 3 and argv[0] == "restore":
-        done = restore_runs(argv[1], argv[2]) if Path(argv[1]).is_dir() else []
-        print(f"{argv[2]}: {len(done)} archived runs restored from {argv[1]}")
+    elif len(argv) == 4 and argv[0] == "restore":
+        from xformer.studies.experiment import load_experiment
+
+        experiment, src, out = load_experiment(argv[1]), Path(argv[2]), Path(argv[3])
+        if src.is_dir() and stale_archive(src, experiment):
+            print(f"{src}: archived from another version of {argv[1]} or its recipe; nothing restored")
+            return
+        done = restore_runs(src, out, experiment) if src.is_dir() else []
+        print(f"{out}: {len(done)} archived runs restored from {src}")
     else:
-        raise SystemExit("usage: python -m xformer.studies.archive save SPEC OUT DEST | restore DEST OUT")
+        raise SystemExit("usage: python -m xformer.studies.archive save SPEC OUT DEST | restore SPEC DEST OUT")
 
 
 if __name__ == "__main__":
     import sys
 
-    main(sys.argv[1:])
+    from xformer.errors import XformerError
+
+    try:
+        main(sys.argv[1:])
+    except XformerError as error:  # one line, as the CLI says it (a spec that cannot be archived, a bad file)
+        print(f"error: {error}", file=sys.stderr)
+        raise SystemExit(2) from None

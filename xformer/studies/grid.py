@@ -14,6 +14,7 @@ from xformer.config.schema import Recipe
 from xformer.errors import RunError
 from xformer.files import atomic_write_text
 from xformer.locks import LOCK
+from xformer.studies.archive import ARCHIVED
 from xformer.train import run
 from xformer.training.progress import StopSignals
 from xformer.training.run_folder import is_run_dir, run_state
@@ -61,6 +62,13 @@ def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Cal
         raise GridStopped(result.stop_signal or "SIGINT")
 
 
+def restored_only(out_dir: Path) -> bool:
+    """Whether OUT holds nothing but a runs/ folder of archived runs restore_runs put there."""
+    runs = out_dir / "runs"
+    return ({p.name for p in out_dir.iterdir()} - {LOCK, STATE} == {"runs"} and runs.is_dir()
+            and all((run / ARCHIVED).is_file() for run in runs.iterdir()))
+
+
 def check_grid_dir(out_dir: Path, pinned: str, command: str) -> None:
     """Refuse an --out that is not this kind of grid's: a file, a training run's folder, or a
     non-empty folder without the grid's `pinned` settings file (a user's files would be
@@ -72,6 +80,8 @@ def check_grid_dir(out_dir: Path, pinned: str, command: str) -> None:
     if is_run_dir(out_dir):
         raise RunError(f"{out_dir}: is a training run's folder (xformer train), not one xformer {command} writes; "
                        "choose another --out")
+    if restored_only(out_dir):
+        return  # runs put back from their records (xformer.studies.archive), before the experiment's first start
     if {p.name for p in out_dir.iterdir()} - {LOCK, STATE} and not (out_dir / pinned).is_file():
         raise RunError(f"{out_dir}: not empty and not a folder xformer {command} wrote (no {pinned}); it will not "
                        "write into it: choose another --out")
