@@ -14,7 +14,7 @@
 # there after it, so a spec stopped part way on one machine resumes on another without training
 # again what those records hold: commit ARCHIVE/<spec> (about 0.1 MB a run) from the frozen copy
 # when a machine may go; archive a spec still running with
-# `python -m xformer.studies.archive save SPEC RUNS/<spec> ARCHIVE/<spec>`. Run it from a frozen copy of the
+# `python -m xformer.studies.archive_spec save SPEC RUNS/<spec> ARCHIVE/<spec>`. Run it from a frozen copy of the
 # code (git archive HEAD), not the tree being edited, and copy the records back
 # (docs/claims/<spec>.json) to commit them; rerunning the same command resumes a stopped
 # experiment from its checkpoints.
@@ -51,10 +51,10 @@ sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
   fi
   start=$(date +%s)
   status=0
-  python -m xformer.studies.archive restore "${spec_dir}/${spec}.toml" "${archive}/${spec}" "$runs/${spec}" || true
+  python -m xformer.studies.archive_spec restore "${spec_dir}/${spec}.toml" "${archive}/${spec}" "$runs/${spec}" || true
   xformer experiment "${spec_dir}/${spec}.toml" --out "$runs/${spec}" --reuse "$runs" --device "$device" \
     --jobs "$jobs" "${sets[@]}" || status=$?
-  python -m xformer.studies.archive save "${spec_dir}/${spec}.toml" "$runs/${spec}" "${archive}/${spec}" || true
+  python -m xformer.studies.archive_spec save "${spec_dir}/${spec}.toml" "$runs/${spec}" "${archive}/${spec}" || true
   if (( status != 0 )); then
     # one spec's failure (a bad spec, a crash) is logged and the chain goes on; a stop signal ends it
     echo "${spec} FAILED (exit ${status}) $(date -u +%FT%TZ)" >> "$runs/chain.log"

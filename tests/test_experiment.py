@@ -548,24 +548,22 @@ def test_archived_runs_restored_on_another_machine_are_scored_from_their_records
     scores, curves and paired tests are the first's. Only the baseline's first run keeps its
     tokenizer (the test inputs' lengths); archiving again adds nothing, and a restore never
     replaces a run folder that is there."""
-    from xformer.studies.archive import ARCHIVED, archive_runs, restore_runs
-    from xformer.studies.experiment import load_experiment
+    from xformer.studies.archive import ARCHIVED
+    from xformer.studies.archive_spec import restore_spec, save_spec
 
     spec, out, report = done
     dest = tmp_path / "records"
-    made = archive_runs(load_experiment(spec), out, dest)
+    made = save_spec(spec, out, dest)
     assert sorted(made) == ["heads_1-s1", "heads_1-s2", "heads_2-s1", "heads_2-s2"]
-    assert not list(dest.rglob("*.safetensors")) and archive_runs(load_experiment(spec), out, dest) == []
+    assert not list(dest.rglob("*.safetensors")) and save_spec(spec, out, dest) == []
     assert [p.parent.name for p in dest.glob("*/tokenizer")] == ["heads_2-s1"]
     best = json.loads((dest / "heads_1-s2" / ARCHIVED).read_text())["best"]
     assert best["final"] and best["sha256"] and best["name"] == "best"
     changed = spec.with_name("heads-edited.toml")  # another version of the spec: its archive is not restored
     changed.write_text(spec.read_text() + "\n# edited\n")
-    assert restore_runs(dest, tmp_path / "other", load_experiment(changed)) == []
-    assert not (tmp_path / "other").exists()
+    assert restore_spec(changed, dest, tmp_path / "other") is None and not (tmp_path / "other").exists()
     again = tmp_path / "again"
-    assert sorted(restore_runs(dest, again, load_experiment(spec))) == sorted(made)
-    assert restore_runs(dest, again) == []
+    assert sorted(restore_spec(spec, dest, again)) == sorted(made) and restore_spec(spec, dest, again) == []
     result = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(again), "--device", "cpu",
                                  "--json"])
     assert result.exit_code == 0, result.output
@@ -580,17 +578,15 @@ def test_a_cell_is_archived_only_when_its_run_and_every_cooldown_are_finished(tm
     """A cooldown branches from its run's checkpoints, so a cell whose cooldown is missing is
     not archived: restored elsewhere, that cell trains again (run and cooldown), the archived
     cell does not, and the scores of the archived cell are the first experiment's."""
-    from xformer.studies.archive import archive_runs, restore_runs
-    from xformer.studies.experiment import load_experiment
+    from xformer.studies.archive_spec import restore_spec, save_spec
 
     spec = tmp_path / "curve.toml"
     spec.write_text(recall_spec([1]).replace("max_steps = 4", "budgets = [4, 8]"))
     first = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "first"), "--device", "cpu", "--json"])
     assert first.exit_code == 0, first.output
     shutil.rmtree(tmp_path / "first" / "runs" / "one-s1-at4")
-    assert sorted(archive_runs(load_experiment(spec), tmp_path / "first", tmp_path / "records")) == ["two-s1",
-                                                                                                      "two-s1-at4"]
-    restore_runs(tmp_path / "records", tmp_path / "second")
+    assert sorted(save_spec(spec, tmp_path / "first", tmp_path / "records")) == ["two-s1", "two-s1-at4"]
+    restore_spec(spec, tmp_path / "records", tmp_path / "second")
     second = runner.invoke(app, ["experiment", str(spec), "--out", str(tmp_path / "second"), "--device", "cpu",
                                  "--json"])
     assert second.exit_code == 0, second.output

@@ -13,8 +13,8 @@ left out and the best checkpoint's identity as it was scored, and DEST/spec.json
 digests of the spec and recipe they were trained from; restore_runs copies them back, from an
 archive of the spec as it is now, into an experiment's runs/ folder, where the experiment reads
 them as trained (run_state) and scored (archived_best). A cell whose run or any cooldown is not
-finished is not archived: its cooldowns branch from the run's checkpoints. Experiments that
-score a model again from its weights (lengths, inspect_heads, rescore) cannot be archived.
+finished is not archived: its cooldowns branch from the run's checkpoints. An experiment's spec
+is archived and restored by xformer.studies.archive_spec.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import json
 import shutil
 from pathlib import Path
 
-from xformer.errors import RunError
 from xformer.files import atomic_write_text
 from xformer.tasks.base import checkpoint_identity
 from xformer.training.run_folder import run_state
@@ -33,40 +32,32 @@ VERSION = "spec.json"  # the spec and recipe digests the archived runs were trai
 LEFT_OUT = ("checkpoints", "tokenizer", ".lock", "trackers.json", "wandb")
 
 
-def archive_runs(experiment, out_dir: str | Path, dest: str | Path) -> list[str]:
-    """Copy the records of every finished cell of `experiment` (its run and its cooldowns, all
-    trained and scored on their final best checkpoint) from OUT/runs into DEST, each run once;
-    returns the runs archived by this call."""
-    from xformer.studies.experiment import run_key
-
-    c = experiment.config
-    if c.lengths or c.inspect_heads or c.rescore:
-        raise RunError(f"{experiment.source}: its runs are scored again from their weights "
-                       "(lengths, inspect_heads or rescore), so they cannot be archived without them")
+def archive_runs(cells: list[list[str]], out_dir: str | Path, dest: str | Path, version: dict[str, str],
+                 tokenizer_of: str) -> list[str]:
+    """Copy the records of every finished cell (its run and its cooldowns: one list of run names
+    in `cells`, all trained and scored on their final best checkpoint) from OUT/runs into DEST,
+    each run once, DEST marked with `version`; only run `tokenizer_of` keeps its tokenizer.
+    Returns the runs archived by this call."""
     runs, dest = Path(out_dir) / "runs", Path(dest)
     done = []
-    _keep_version(dest, _version(experiment))
-    for cell in experiment.cells:
-        for seed in c.seeds:
-            keys = [run_key(cell, seed, b) for b in [0, *c.budgets[:-1]]]
-            if not all(_scored(runs / k) for k in keys):
-                continue
-            for key in keys:
-                if (dest / key / ARCHIVED).is_file():
-                    continue
-                keep_tokenizer = cell == c.baseline and seed == c.seeds[0] and key == keys[0]
-                _archive_one(runs / key, dest / key, keep_tokenizer)
+    _keep_version(dest, version)
+    for keys in cells:
+        if not all(_scored(runs / k) for k in keys):
+            continue
+        for key in keys:
+            if not (dest / key / ARCHIVED).is_file():
+                _archive_one(runs / key, dest / key, keep_tokenizer=key == tokenizer_of)
                 done.append(key)
     return done
 
 
-def restore_runs(src: str | Path, out_dir: str | Path, experiment=None) -> list[str]:
+def restore_runs(src: str | Path, out_dir: str | Path, version: dict[str, str] | None = None) -> list[str]:
     """Copy every archived run under SRC into OUT/runs where that run has no folder yet (a run
-    trained or begun here is never replaced); returns the runs restored. Given the experiment,
-    nothing is restored from an archive of another version of its spec or recipe."""
+    trained or begun here is never replaced); returns the runs restored. Given a version (the
+    spec's and recipe's digests), nothing is restored from an archive of another."""
     src, runs = Path(src), Path(out_dir) / "runs"
     restored = []
-    if experiment is not None and stale_archive(src, experiment):
+    if version is not None and stale_archive(src, version):
         return restored
     for marker in sorted(src.glob(f"*/{ARCHIVED}")):
         target = runs / marker.parent.name
@@ -101,17 +92,11 @@ def _scored(run_dir: Path) -> bool:
     return bool(kept.get("final")) and kept.get("sha256") == best["sha256"]
 
 
-def stale_archive(src: Path, experiment) -> bool:
-    """Whether the archive at SRC holds runs of another version of the experiment's spec or
-    recipe (digests as the ledger's records keep them): such runs are not this spec's."""
+def stale_archive(src: Path, version: dict[str, str]) -> bool:
+    """Whether the archive at SRC holds runs of another version of a spec or its recipe (their
+    digests, as the ledger's records keep them) than `version`: such runs are not this spec's."""
     kept = Path(src) / VERSION
-    return kept.is_file() and json.loads(kept.read_text()) != _version(experiment)
-
-
-def _version(experiment) -> dict[str, str]:
-    from xformer.studies.ledger import measured_from  # the ledger imports the experiment, which imports this
-
-    return measured_from(Path(experiment.source), experiment)
+    return kept.is_file() and json.loads(kept.read_text()) != version
 
 
 def _keep_version(dest: Path, version: dict[str, str]) -> None:
@@ -139,35 +124,3 @@ def _archive_one(run_dir: Path, target: Path, keep_tokenizer: bool) -> None:
     shutil.copytree(run_dir, partial, ignore=shutil.ignore_patterns(*left_out, ARCHIVED))
     atomic_write_text(partial / ARCHIVED, json.dumps({"left_out": left_out, "best": best}, indent=2) + "\n")
     partial.rename(target)
-
-
-def main(argv: list[str]) -> None:
-    """python -m xformer.studies.archive save SPEC OUT DEST | restore SPEC DEST OUT (ledger_chain.sh)."""
-    if len(argv) == 4 and argv[0] == "save":
-        from xformer.studies.experiment import load_experiment
-
-        done = archive_runs(load_experiment(argv[1]), argv[2], argv[3])
-        print(f"{argv[3]}: {len(done)} runs archived" + (f" ({', '.join(done)})" if done else ""))
-    elif len(argv) == 4 and argv[0] == "restore":
-        from xformer.studies.experiment import load_experiment
-
-        experiment, src, out = load_experiment(argv[1]), Path(argv[2]), Path(argv[3])
-        if src.is_dir() and stale_archive(src, experiment):
-            print(f"{src}: archived from another version of {argv[1]} or its recipe; nothing restored")
-            return
-        done = restore_runs(src, out, experiment) if src.is_dir() else []
-        print(f"{out}: {len(done)} archived runs restored from {src}")
-    else:
-        raise SystemExit("usage: python -m xformer.studies.archive save SPEC OUT DEST | restore SPEC DEST OUT")
-
-
-if __name__ == "__main__":
-    import sys
-
-    from xformer.errors import XformerError
-
-    try:
-        main(sys.argv[1:])
-    except XformerError as error:  # one line, as the CLI says it (a spec that cannot be archived, a bad file)
-        print(f"error: {error}", file=sys.stderr)
-        raise SystemExit(2) from None
