@@ -266,6 +266,10 @@ def test_the_ledger_judges_each_claim_from_its_experiment(ledger):
     assert record["results"]["cells"] == measured["cells"]
     assert not any(key in run for run in record["results"]["runs"] for key in ("run_dir", "predictions"))
     assert record["hardware"]["device"] == "cpu" and record["train_minutes"] >= 0
+    # its wall time, from the experiment's one sitting, is on the page beside the training time
+    assert record["wall"]["sittings"] == 1 and record["wall"]["jobs"] == [1]
+    assert f"{record['wall']['minutes']:g} minutes of wall time over 1 sitting(s), --jobs 1" in text
+    assert "| CPU | specs measured | wall time recorded |" in text
 
 
 def test_the_ledger_gives_no_verdict_from_an_undertrained_baseline(ledger, tmp_path):

@@ -242,6 +242,9 @@ def test_an_experiment_stops_on_sigterm_with_exit_0_and_a_rerun_finishes_it(corp
     assert again.returncode == 0, err[-2000:]
     results = json.loads((tmp_path / "out" / "results.json").read_text())
     assert [r["steps"] for r in results["runs"]] == [40, 40]
+    # both sittings count in the experiment's wall time, each as it ended
+    sittings = json.loads((tmp_path / "out" / "sittings.json").read_text())
+    assert [s["ended"] for s in sittings] == ["stopped", "finished"] and all(s["seconds"] > 0 for s in sittings)
 
 
 @pytest.fixture

@@ -5,7 +5,8 @@ benchmarks/ledger_chain.sh:
     python -m xformer.studies.archive_spec restore SPEC DEST OUT   before it
 
 The archive is marked with the digests of the spec and its recipe (the ledger's measured_from),
-so runs of an earlier version of either are never restored into the spec as it is now.
+so runs of an earlier version of either are never restored into the spec as it is now; the
+experiment's sittings (its wall time, xformer.studies.sittings) travel with it.
 Experiments that score a model again from its weights (lengths, inspect_heads, rescore) cannot
 be archived.
 """
@@ -19,6 +20,7 @@ from xformer.errors import RunError, XformerError
 from xformer.studies.archive import archive_runs, restore_runs, stale_archive
 from xformer.studies.experiment import load_experiment, run_key
 from xformer.studies.ledger import measured_from
+from xformer.studies.sittings import merge_sittings
 
 
 def save_spec(spec: str | Path, out_dir: str | Path, dest: str | Path) -> list[str]:
@@ -29,8 +31,10 @@ def save_spec(spec: str | Path, out_dir: str | Path, dest: str | Path) -> list[s
         raise RunError(f"{spec}: its runs are scored again from their weights (lengths, inspect_heads or "
                        "rescore), so they cannot be archived without them")
     cells = [[run_key(cell, seed, b) for b in [0, *c.budgets[:-1]]] for cell in experiment.cells for seed in c.seeds]
-    return archive_runs(cells, out_dir, dest, measured_from(Path(spec), experiment),
+    done = archive_runs(cells, out_dir, dest, measured_from(Path(spec), experiment),
                         tokenizer_of=run_key(c.baseline, c.seeds[0], 0))  # the test inputs' lengths
+    merge_sittings(Path(out_dir), Path(dest))  # the wall time so far, on every machine
+    return done
 
 
 def restore_spec(spec: str | Path, src: str | Path, out_dir: str | Path) -> list[str] | None:
@@ -39,7 +43,11 @@ def restore_spec(spec: str | Path, src: str | Path, out_dir: str | Path) -> list
     version = measured_from(Path(spec), experiment)
     if Path(src).is_dir() and stale_archive(Path(src), version):
         return None
-    return restore_runs(src, out_dir, version) if Path(src).is_dir() else []
+    if not Path(src).is_dir():
+        return []
+    done = restore_runs(src, out_dir, version)
+    merge_sittings(Path(src), Path(out_dir))
+    return done
 
 
 def main(argv: list[str]) -> None:

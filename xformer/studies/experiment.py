@@ -75,6 +75,7 @@ from xformer.studies.experiment_scoring import (
 )
 from xformer.studies.grid import check_grid_dir, pin, stop_if_asked, train_to_end
 from xformer.studies.reuse import copy_run, finished_runs, reused_branch, same_run
+from xformer.studies.sittings import Sitting
 from xformer.tasks import make_task
 from xformer.training.progress import StopSignals
 from xformer.training.run_folder import run_state
@@ -252,13 +253,20 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
         jobs = 1
     with FolderLock(out_dir, "experiment"), StopSignals() as stops:
         reporting, parent = experiment_reporting(tuple(report_to), Path(out_dir))
+        sitting = Sitting(Path(out_dir), jobs)  # the wall time, across sittings (the ledger shows it)
+
+        def timed(kind: str, fields: dict) -> None:
+            emit(kind, fields)
+            sitting.tick()
+
         finished = False
         try:
-            result = _run_experiment(experiment, Path(out_dir), device=device, reuse=reuse, emit=emit, stops=stops,
+            result = _run_experiment(experiment, Path(out_dir), device=device, reuse=reuse, emit=timed, stops=stops,
                                      jobs=jobs, reporting=reporting)
             finished = True
             return result
         finally:
+            sitting.end("finished" if finished else "stopped")
             if parent is not None:
                 parent.close(finished)
 

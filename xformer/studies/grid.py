@@ -15,6 +15,7 @@ from xformer.errors import RunError
 from xformer.files import atomic_write_text
 from xformer.locks import LOCK
 from xformer.studies.archive import ARCHIVED
+from xformer.studies.sittings import SITTINGS
 from xformer.train import run
 from xformer.training.progress import StopSignals
 from xformer.training.run_folder import is_run_dir, run_state
@@ -63,9 +64,10 @@ def train_to_end(recipe: Recipe, run_dir: Path, *, device: str, on_fraction: Cal
 
 
 def restored_only(out_dir: Path) -> bool:
-    """Whether OUT holds nothing but a runs/ folder of archived runs restore_runs put there."""
+    """Whether OUT holds nothing but a runs/ folder of archived runs restore_runs put there (and
+    the sittings restored beside them)."""
     runs = out_dir / "runs"
-    return ({p.name for p in out_dir.iterdir()} - {LOCK, STATE} == {"runs"} and runs.is_dir()
+    return ({p.name for p in out_dir.iterdir()} - {LOCK, STATE, SITTINGS} == {"runs"} and runs.is_dir()
             and all((run / ARCHIVED).is_file() for run in runs.iterdir()))
 
 

@@ -39,6 +39,7 @@ from xformer.studies.claims import (
 )
 from xformer.studies.experiment import Experiment, load_experiment
 from xformer.studies.experiment_report import curve_png, markdown
+from xformer.studies.sittings import wall_time
 
 LOCAL = ("hypotheses", "predictions", "run_dir")  # run fields that are paths on the machine that ran it
 HEADER = """# The claims ledger
@@ -116,6 +117,7 @@ def record_from_run(folder: Path, spec: Path, experiment: Experiment) -> dict | 
             "hardware": {"cpu": card.get("cpu"), "device": card.get("device"), "precision": card.get("precision"),
                          "torch": card.get("versions", {}).get("torch")},
             "train_minutes": round(sum(r["train_seconds"] for r in data["runs"]) / 60, 1),
+            "wall": wall_time(folder),
             "differences": differences, "results": data}
 
 
@@ -326,6 +328,7 @@ def _markdown(rows: list[dict]) -> str:
         shown = r["verdict"] + (" (not the recipe's settings)" if r.get("differences") else "")
         lines.append(f"| {r['number']} | {r['says']} | {shown} | {_measured(r)} | {_design(r)} | {_reference(r)} | "
                      f"{_anchored(r)} | [`{r['name']}`](#{r['name']}) |")
+    lines += _cost(rows)
     for r in rows:
         lines += ["", f"## {r['name']}", "", f"> {r['says']}" + (f" ({r['source']})" if r["source"] else ""),
                   "", f"Claim {r['number']} of the list.", ""]
@@ -375,7 +378,7 @@ def _markdown(rows: list[dict]) -> str:
         hw = rec["hardware"]
         lines += ["", f"Measured {rec['measured']} on {hw['cpu'] or 'an unnamed CPU'} ({hw['device']}, "
                       f"{hw['precision']}, torch {hw['torch']}), {rec['train_minutes']:g} minutes of training "
-                      "in all.", "", markdown(ExperimentResult(**rec["results"])).rstrip()]
+                      f"in all{_wall(rec.get('wall'))}.", "", markdown(ExperimentResult(**rec["results"])).rstrip()]
         taught = {(t["run"], t["test"], t["steps"]) for t in (rec["results"].get("teachers") or {}).values()}
         for run, test, steps in sorted(taught, key=str):
             score = f"test {test:.2f}" if test is not None else "not scored"
@@ -383,6 +386,31 @@ def _markdown(rows: list[dict]) -> str:
         lines += ["", "Checks:", ""]
         lines += [f"- {c['check']}: **{c['verdict']}** ({c['reason']})" for c in r["checks"]]
     return "\n".join(lines) + "\n"
+
+
+def _wall(wall: dict | None) -> str:
+    if not wall:
+        return " (its wall time was not recorded: measured before experiments kept it)"
+    return (f"; {wall['minutes']:g} minutes of wall time over {wall['sittings']} sitting(s), --jobs "
+            f"{'/'.join(map(str, wall['jobs']))} on {'/'.join(map(str, wall['cores']))} cores")
+
+
+def _cost(rows: list[dict]) -> list[str]:
+    """What the measured specs took, by CPU: wall time where recorded, the runs' training time."""
+    by_cpu: dict[str, list[dict]] = {}
+    for r in rows:
+        if "record" in r:
+            by_cpu.setdefault(r["record"]["hardware"]["cpu"] or "an unnamed CPU", []).append(r["record"])
+    lines = ["", "What measuring it took, by CPU (each spec's section has its own figures):", "",
+             "| CPU | specs measured | wall time recorded | specs without a recorded wall time | training time of "
+             "the runs judged, summed (a run copied by --reuse counted in each spec; cooldowns not counted) |",
+             "|---|---|---|---|---|"]
+    for cpu, records in sorted(by_cpu.items()):
+        walls = [r["wall"] for r in records if r.get("wall")]
+        shown = f"{sum(w['minutes'] for w in walls) / 60:.1f} h ({len(walls)} specs)" if walls else "none"
+        lines.append(f"| {cpu} | {len(records)} | {shown} | {len(records) - len(walls)} | "
+                     f"{sum(r['train_minutes'] for r in records) / 60:.1f} h |")
+    return lines
 
 
 def _design(row: dict) -> str:
