@@ -28,7 +28,8 @@ runs=${1:?usage: benchmarks/ledger_chain.sh RUNS [path/to/multi30k]}
 data=${2:-}
 # the specs at the CPU scale (multi30k_de_en_cpu.toml), the baseline's first: 26 distinct cells,
 # 78 runs (docs/results.md, "The ledger's CPU scale", has the arithmetic and what is left out);
-# distillation's cells name their teacher under runs/claims, so RUNS is runs/claims for it
+# distillation's cells name their teacher under runs/claims, so RUNS is runs/claims for it (a teacher
+# with no weights here, as on a fresh machine, is trained from its own spec first)
 specs=${SPECS:-heads heads_specialise distillation heads_sweep head_dim ffn_width depth activations qkv_sharing \
   synthesizer kv_heads layernorm_lr}
 jobs=${JOBS:-2}
@@ -52,6 +53,9 @@ sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
   start=$(date +%s)
   status=0
   python -m xformer.studies.archive_spec restore "${spec_dir}/${spec}.toml" "${archive}/${spec}" "$runs/${spec}" || true
+  # a teacher the spec's cells name, with no weights here (a fresh machine): trained from its own spec
+  python -m xformer.studies.archive_spec teachers "${spec_dir}/${spec}.toml" "$device" \
+    ${data:+"data.dataset=\"${data}\""} || true
   xformer experiment "${spec_dir}/${spec}.toml" --out "$runs/${spec}" --reuse "$runs" --device "$device" \
     --jobs "$jobs" "${sets[@]}" || status=$?
   python -m xformer.studies.archive_spec save "${spec_dir}/${spec}.toml" "$runs/${spec}" "${archive}/${spec}" || true

@@ -597,3 +597,35 @@ def test_a_cell_is_archived_only_when_its_run_and_every_cooldown_are_finished(tm
     scores = [{(r["cell"], r.get("budget")): r["test"] for c in x["curves"] for r in c["runs"] if r["cell"] == "two"}
               for x in (a, b)]
     assert scores[0] == scores[1] and len(scores[0]) == 2
+
+
+def test_a_teacher_without_weights_is_trained_from_its_own_spec_before_its_students(corpus, tmp_path, monkeypatch):
+    """A student's cells name their teacher by folder (RUNS/<spec>/runs/<cell>-s<seed>). Where
+    the teacher has no checkpoints (a fresh machine holds only archived records), it is trained
+    from that spec's cell and seed, the archived copy moved aside; once trained, nothing more.
+    A teacher that is not such a run cannot be made and says so."""
+    from xformer.errors import RunError
+    from xformer.studies.archive import ARCHIVED
+    from xformer.studies.archive_spec import train_teachers
+
+    monkeypatch.chdir(tmp_path)  # teachers are named from the chain's working folder
+    specs = tmp_path / "specs"
+    specs.mkdir()
+    (specs / "teach.toml").write_text(SPEC)
+    student = specs / "student.toml"
+    student.write_text(SPEC.replace('baseline = "heads_2"', 'baseline = "refs"').replace(
+        'heads_1 = ["model.n_heads=1"]\nheads_2 = []',
+        'refs = []\nword = ["distill.teacher=runs/teach/runs/heads_2-s2", "distill.kind=word"]'))
+    archived = tmp_path / "runs" / "teach" / "runs" / "heads_2-s2"
+    archived.mkdir(parents=True)
+    (archived / ARCHIVED).write_text("{}")
+    overrides = [*TINY, f"data.dataset={json.dumps(str(corpus))}"]
+    assert train_teachers(student, "cpu", overrides) == ["runs/teach/runs/heads_2-s2"]
+    assert (archived / "checkpoints" / "best.safetensors").is_file()
+    assert (archived.with_name("heads_2-s2.archived") / ARCHIVED).is_file()
+    ran = json.loads((archived / "train.json").read_text())["card"]["recipe"]
+    assert (ran["train"]["seed"], ran["train"]["max_steps"], ran["model"]["n_heads"]) == (2, 6, 2)
+    assert train_teachers(student, "cpu", overrides) == []
+    student.write_text(student.read_text().replace("runs/teach/runs/heads_2-s2", "elsewhere/teacher"))
+    with pytest.raises(RunError, match="elsewhere/teacher has no checkpoints"):
+        train_teachers(student, "cpu", overrides)
