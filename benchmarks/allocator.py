@@ -28,9 +28,9 @@ more on transparent huge pages).
 
 A flagship-sized run to translate with is trained first (60 steps) and kept in a temporary folder.
 Every workload that trains does so in one precision, --precision or what `precision = "auto"` picks
-on this CPU, probed once at the start: the probe times a matmul, so beside other work it may pick
-otherwise, and two processes of one alternation would not run the same workload. (The long-range
-sweep's recipes keep their own.)
+on this CPU, decided once at the start, so every process of an alternation runs the same workload
+(where ONEDNN_MAX_CPU_ISA is set, auto times a matmul, which other work can blur). (The
+long-range sweep's recipes keep their own.)
 """
 
 from __future__ import annotations
@@ -149,7 +149,7 @@ def main() -> None:
                              "a process each alternation")
     parser.add_argument("--precision", default=None,
                         help="the training precision of every workload that trains (default: what auto picks here, "
-                             "probed once at the start: under load the probe may pick otherwise)")
+                             "decided once at the start)")
     args = parser.parse_args()
     if args.precision is None:
         from xformer.training.device import cpu_bf16
