@@ -66,7 +66,7 @@ sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
     continue
   fi
   xformer claims "$spec_dir" --runs "$runs" --out "$ledger"
-  echo "${spec} $(( ($(date +%s) - start) / 60 )) min this call, finished $(date -u +%FT%TZ) on $(nproc) cores" \
+  echo "${spec} $(( ($(date +%s) - start) / 60 )) min this call, finished $(date -u +%FT%TZ) on $(nproc --all) cores" \
     >> "$runs/chain.log"
 done
 echo "chain done: $runs/chain.log"
