@@ -30,11 +30,13 @@ def test_there_are_recipes_and_sweeps():
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=name)
 def test_experiment_loads_and_every_cell_builds(path):
     """Every cell's recipe validates (load_experiment checks them) and builds on the meta
-    device at its own size; the spec opens with the claim it measures and its command."""
+    device at its own size; the spec opens with the claim it measures (a study of a recipe's
+    choices, outside recipes/claims/, with what it decides) and its command."""
     from xformer.studies.experiment import load_experiment
 
     experiment = load_experiment(path)
-    assert path.read_text().startswith("# Claim:") and "xformer experiment " in path.read_text()
+    opening = "# Claim:" if "claims" in path.parts else ("# Claim:", "# Study:")
+    assert path.read_text().startswith(opening) and "xformer experiment " in path.read_text()
     for cell in experiment.cells:
         with torch.device("meta"):
             model = build_for_recipe(experiment.recipe(cell, experiment.config.seeds[0]), init=False)
