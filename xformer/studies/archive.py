@@ -51,14 +51,12 @@ def archive_runs(cells: list[list[str]], out_dir: str | Path, dest: str | Path, 
     return done
 
 
-def restore_runs(src: str | Path, out_dir: str | Path, version: dict[str, str] | None = None) -> list[str]:
+def restore_runs(src: str | Path, out_dir: str | Path) -> list[str]:
     """Copy every archived run under SRC into OUT/runs where that run has no folder yet (a run
-    trained or begun here is never replaced); returns the runs restored. Given a version (the
-    spec's and recipe's digests), nothing is restored from an archive of another."""
+    trained or begun here is never replaced); returns the runs restored. Whether SRC is of the
+    spec as it is now is the caller's to ask (stale_archive; archive_spec.restore_spec does)."""
     src, runs = Path(src), Path(out_dir) / "runs"
     restored = []
-    if version is not None and stale_archive(src, version):
-        return restored
     for marker in sorted(src.glob(f"*/{ARCHIVED}")):
         target = runs / marker.parent.name
         if target.exists():

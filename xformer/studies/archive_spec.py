@@ -52,11 +52,11 @@ def restore_spec(spec: str | Path, src: str | Path, out_dir: str | Path) -> list
     """Put SRC's archived runs back into OUT; None when SRC archived another version of SPEC."""
     experiment = load_experiment(spec)
     version = measured_from(Path(spec), experiment)
-    if Path(src).is_dir() and stale_archive(Path(src), version):
-        return None
     if not Path(src).is_dir():
         return []
-    done = restore_runs(src, out_dir, version)
+    if stale_archive(Path(src), version):
+        return None
+    done = restore_runs(src, out_dir)
     merge_sittings(Path(src), Path(out_dir))
     return done
 
