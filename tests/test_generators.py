@@ -110,6 +110,39 @@ def test_recall_labels_are_the_last_query_binding(seq_len):
         assert 0 <= label < spec.n_classes
 
 
+@pytest.mark.parametrize("seq_len", [20, 64, 301])
+def test_recall_bindings_at_the_end_sit_just_before_the_query(seq_len):
+    """With bindings = "end" the pairs are the 2 * n_pairs tokens before the last, the filler and
+    its distractor queries come first; read back with the vocabulary, as above."""
+    spec = recall_spec()
+    n_pairs, n_queries = 4, 3
+    for ids, label in generate_recall(200, seq_len, seed=2, n_queries=n_queries, n_pairs=n_pairs, bindings="end"):
+        tokens = [spec.vocab[i] for i in ids]
+        pairs = tokens[-1 - 2 * n_pairs : -1]
+        keys, values = pairs[0::2], pairs[1::2]
+        assert all(k.startswith("k") for k in keys) and all(v.startswith("v") for v in values)
+        front = tokens[: -1 - 2 * n_pairs]
+        assert all(t.startswith(("k", "f")) for t in front) and len(front) == seq_len - 2 * n_pairs - 1
+        distractors = [t for t in front if t.startswith("k")]
+        assert len(distractors) == n_queries - 1 and tokens[-1] not in distractors
+        assert set(distractors + [tokens[-1]]) <= set(keys)
+        assert f"v{label}" == dict(zip(keys, values, strict=True))[tokens[-1]]
+
+
+def test_recall_bindings_start_and_end_are_the_same_data_where_there_is_no_filler():
+    """The two layouts draw the same numbers: at the shortest length they cannot differ, and at
+    any length the labels and the multiset of tokens are the same."""
+    shortest = 2 * 3 + 1
+    assert generate_recall(50, shortest, seed=4, n_queries=1, n_pairs=3) == \
+        generate_recall(50, shortest, seed=4, n_queries=1, n_pairs=3, bindings="end")
+    start = generate_recall(50, 40, seed=4, n_queries=2, n_pairs=3)
+    end = generate_recall(50, 40, seed=4, n_queries=2, n_pairs=3, bindings="end")
+    assert [b for _, b in start] == [b for _, b in end]
+    assert all(Counter(a) == Counter(b) and a != b for (a, _), (b, _) in zip(start, end, strict=True))
+    with pytest.raises(ValueError, match="bindings"):
+        generate_recall(1, 40, seed=0, bindings="middle")
+
+
 def test_recall_distractor_queries_spread_over_the_filler():
     positions = Counter()
     for ids, _ in generate_recall(400, 200, seed=1, n_queries=2, n_pairs=4):

@@ -197,6 +197,7 @@ RECALL_N_KEYS = 64
 RECALL_N_VALUES = 16
 RECALL_N_FILLER = 32
 RECALL_N_PAIRS = 8
+RECALL_BINDINGS = ("start", "end")  # where the key-value pairs go: first, or just before the query
 
 
 def recall_spec(n_keys: int = RECALL_N_KEYS, n_values: int = RECALL_N_VALUES,
@@ -217,13 +218,19 @@ def generate_recall(
     n_keys: int = RECALL_N_KEYS,
     n_values: int = RECALL_N_VALUES,
     n_filler: int = RECALL_N_FILLER,
+    bindings: str = "start",
 ) -> list[tuple[list[int], int]]:
     """n sequences of seq_len tokens: n_pairs key-value pairs, then filler holding n_queries - 1
-    distractor queries, then the labelled query key last.
+    distractor queries, then the labelled query key last. With `bindings` = "end" the filler
+    (and its distractors) comes first and the pairs last, just before the query: the lookup is
+    then the same distance back at every length, where "start" moves it away as inputs grow.
+    Both draw the same numbers, so at a length with no filler they are the same data.
 
     The label is the value index (0..n_values-1) bound to the last token. Ids follow
     recall_spec: key i is id 1 + i, value j is 1 + n_keys + j, filler f is 1 + n_keys + n_values + f.
     """
+    if bindings not in RECALL_BINDINGS:
+        raise ValueError(f"bindings: expected one of {', '.join(RECALL_BINDINGS)}, found {bindings!r}")
     if not 1 <= n_queries <= n_pairs <= n_keys:
         raise ValueError(f"needs 1 <= n_queries ({n_queries}) <= n_pairs ({n_pairs}) <= n_keys ({n_keys})")
     gap = seq_len - 2 * n_pairs - 1  # filler positions, distractor queries among them
@@ -237,11 +244,13 @@ def generate_recall(
         keys = rng.choice(n_keys, size=n_pairs, replace=False)
         values = rng.integers(0, n_values, size=n_pairs)
         ids = np.empty(seq_len, dtype=np.int64)
-        ids[0 : 2 * n_pairs : 2] = 1 + keys
-        ids[1 : 2 * n_pairs : 2] = value_base + values
-        ids[2 * n_pairs :] = filler_base + rng.integers(0, n_filler, size=seq_len - 2 * n_pairs)
+        pairs, rest = (0, 2 * n_pairs) if bindings == "start" else (gap, 0)  # where the pairs, the filler start
+        ids[pairs : pairs + 2 * n_pairs : 2] = 1 + keys
+        ids[pairs + 1 : pairs + 2 * n_pairs : 2] = value_base + values
+        filler = filler_base + rng.integers(0, n_filler, size=seq_len - 2 * n_pairs)
+        ids[rest : rest + gap] = filler[:gap]
         asked = rng.choice(n_pairs, size=n_queries, replace=False)  # which pairs are queried
-        spots = 2 * n_pairs + rng.choice(gap, size=n_queries - 1, replace=False)
+        spots = rest + rng.choice(gap, size=n_queries - 1, replace=False)
         ids[spots] = 1 + keys[asked[:-1]]
         ids[-1] = 1 + keys[asked[-1]]
         data.append((ids.tolist(), int(values[asked[-1]])))

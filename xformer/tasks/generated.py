@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from xformer.config.schema import DataConfig
 from xformer.config.strict import positive
@@ -82,6 +82,9 @@ class RecallData(GeneratedData):
     task: str = "recall"
     n_pairs: int = 8  # key-value bindings to recall from
     n_queries: int = 4
+    # where the pairs sit: "start" (first: the lookup reaches further back as inputs grow) or
+    # "end" (just before the query: the same distance back at every length)
+    bindings: Literal["start", "end"] = "start"
 
     def problems(self) -> list[str]:
         out = super().problems() + positive(self, "n_queries", "n_pairs")
@@ -94,7 +97,7 @@ class RecallData(GeneratedData):
         return out
 
     def generator_options(self) -> dict:
-        return {"n_queries": self.n_queries, "n_pairs": self.n_pairs}
+        return {"n_queries": self.n_queries, "n_pairs": self.n_pairs, "bindings": self.bindings}
 
 
 class GeneratedTask(ClassificationTask):
