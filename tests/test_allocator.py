@@ -166,7 +166,7 @@ import json, sys, torch
 from pathlib import Path
 from xformer import load_recipe
 from xformer.allocator import tune_allocator
-from xformer.train import _validate_and_save
+from xformer.training.state import validate_and_save
 from xformer.training.progress import Progress
 
 def resident_mb():
@@ -189,7 +189,7 @@ class Task:
 task = Task()
 out = Path(sys.argv[2])
 (out / "checkpoints").mkdir(parents=True)
-_validate_and_save(torch.nn.Linear(2, 2), recipe, task, None, Progress(step=1), out, lambda *a: None, lambda: 0.0, {})
+validate_and_save(torch.nn.Linear(2, 2), recipe, task, None, Progress(step=1), out, lambda *a: None, lambda: 0.0, {})
 print(json.dumps({"before": before, "validating": seen[0]}))
 """
 

@@ -202,17 +202,17 @@ def test_wsd_rules():
 
 
 def test_patience_ends_a_wsd_runs_stable_phase_and_never_cuts_its_cooldown_short():
-    from xformer.train import _stop_reason
     from xformer.training.distributed import Cluster
     from xformer.training.optim import WsdPlan
     from xformer.training.progress import Progress
+    from xformer.training.state import limit_reached
 
     cfg = TrainConfig(schedule="wsd", max_steps=1000, patience=2, decay_fraction=0.2, warmup_steps=10)
     progress = Progress(step=100, bad_validations=2)
-    assert _stop_reason(cfg, progress, 0.0, 50) == "patience"  # the loop then cools down instead of stopping
+    assert limit_reached(cfg, progress, 0.0, 50) == "patience"  # the loop then cools down instead of stopping
     plan = WsdPlan(cfg, 50, progress, Cluster(), torch.device("cpu"))
     assert "cooling down to step 125" in plan.cool_down_now()
     progress.step, progress.bad_validations = 110, 5
-    assert _stop_reason(cfg, progress, 0.0, 50) is None and plan.window(0.0)[0] == (100, 125)
+    assert limit_reached(cfg, progress, 0.0, 50) is None and plan.window(0.0)[0] == (100, 125)
     progress.step = 125
-    assert _stop_reason(cfg, progress, 0.0, 50) == "patience"
+    assert limit_reached(cfg, progress, 0.0, 50) == "patience"

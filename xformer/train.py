@@ -15,7 +15,8 @@ A run directory holds everything needed to evaluate or resume:
     RUN/checkpoints/branch_step_N.safetensors full states kept every train.branch_every steps
     RUN/train.json                   the TrainResult summary
 
-The loop reports progress through `on_event(kind, payload)` (kinds: "setup", "start",
+The run's state, its result and the limits that stop it are xformer.training.state's; this
+module is the loop. It reports progress through `on_event(kind, payload)` (kinds: "setup", "start",
 "step", "valid", "end") so the CLI can draw progress bars without the core importing rich.
 """
 
@@ -24,14 +25,12 @@ from __future__ import annotations
 import contextlib
 import errno
 import itertools
-import math
 import time
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from xformer.allocator import release
 from xformer.config.loading import load_run_recipe, recipe_at
 from xformer.config.schema import Recipe
 from xformer.errors import DivergedError, RunError
@@ -46,7 +45,6 @@ from xformer.training.budget import fit_run
 from xformer.training.checkpoint import (
     average_checkpoints,
     load_model_weights,
-    load_optimizer_state,
     read_checkpoint_meta,
     save_checkpoint,
 )
@@ -59,7 +57,6 @@ from xformer.training.optim import WsdPlan, build_optimizer, learning_rate
 from xformer.training.progress import LogLine, Progress, StopSignals, truncate_metrics
 from xformer.training.resume import (
     branch,
-    branch_name,
     has_checkpoint,
     init_from,
     init_weights,
@@ -68,51 +65,13 @@ from xformer.training.resume import (
     resumed_recipe,
     set_aside,
 )
-from xformer.training.run_card import RunCard, run_card
-from xformer.training.run_folder import finished_at, remove_temporaries, tokenizer_digest
+from xformer.training.run_card import run_card
+from xformer.training.run_folder import remove_temporaries, tokenizer_digest
+from xformer.training.state import TrainResult, TrainState, limit_reached, validate_and_save
 from xformer.training.trackers import MetricsLog, Reporting, flat_params
 
 clock = time.perf_counter  # the run's time budget is read from it (tests pass their own)
 PLANNED = {"schedule", "max_steps", "max_epochs", "max_time", "decay_fraction", "patience"}  # a change: plan anew
-
-
-@dataclass
-class TrainResult:
-    run_dir: str
-    steps: int
-    epochs: float
-    stop_reason: str
-    best: dict | None
-    train_seconds: float
-    compute_seconds: float  # forward + backward + optimizer step
-    data_seconds: float  # waiting for the next batch
-    loop_seconds: float  # whole training steps: batch, compute, logging (validation excluded)
-    tokens: int  # target tokens (translation) or input tokens (classification) trained on
-    device: str
-    precision: str
-    parameters: int = 0
-    precision_reason: str = ""  # what precision "auto" found, or "asked for"
-    peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth, 0 unless measured
-    history: list[dict] = field(default_factory=list)
-    skipped_steps: int = 0  # not finite, so not taken (Runtime.step)
-    card: RunCard | None = None  # what reproducing the run needs (xformer.training.run_card)
-    changes: list[dict] = field(default_factory=list)  # what --resume changed, and from which step
-    stop_signal: str = ""  # the signal that interrupted it, e.g. "SIGTERM"
-    # mean CPU cores other processes took while it trained (xformer.training.cpuload); None: not measurable
-    others_cpu: float | None = None
-    # train.regularisation = "budget": what it chose and why (xformer.training.budget)
-    regularisation: dict | None = None
-
-    def to_dict(self) -> dict:
-        """train.json's fields (the card in its JSON form) and the loop overhead."""
-        return {**asdict(self), "card": self.card.to_dict() if self.card is not None else {},
-                "loop_overhead": self.loop_overhead}
-
-    @property
-    def loop_overhead(self) -> float:
-        """What the loop adds over forward + backward + step (batching, logging, progress
-        events), as a fraction of that compute time; validation is not part of the loop."""
-        return self.loop_seconds / max(self.compute_seconds, 1e-9) - 1.0
 
 
 def run(
@@ -187,103 +146,6 @@ def run(
     return result
 
 
-@dataclass
-class TrainState:
-    """One part of a run as it trains: what a checkpoint saves and --resume restores (the model,
-    the optimizer, the runtime's RNG and loss scale, Progress with the wsd plan and the open log
-    line), and what the loop reads beside it. save() and restore() are the only ways in and out."""
-
-    recipe: Recipe  # what trains now: the recipe at this step
-    whole: Recipe  # the recipe with every recorded change, as recipe.toml holds it
-    out_dir: Path
-    cluster: Cluster
-    rt: Runtime
-    task: object  # the recipe's xformer.tasks.Task
-    model: torch.nn.Module
-    trained: torch.nn.Module  # the model, or its compiled forward
-    optimizer: torch.optim.Optimizer
-    stamp: dict  # in every checkpoint: the recipe and the tokenizer's digest
-    card: RunCard
-    emit: Event
-    started: float  # clock() when this part began
-    progress: Progress = field(default_factory=Progress)
-    seconds_before: float = 0.0  # from earlier parts of a resumed run
-    streaks: list[bool] = field(default_factory=list)  # whether each checkpoint fell inside non-finite steps
-    line: LogLine | None = None
-    plan: WsdPlan | None = None
-    others: OtherLoad | None = None  # the CPU other processes take while it trains, from its first step
-    memory: object = None  # PeakMemory or allocator_peak
-    signals: StopSignals | None = None
-    change_at: int | None = None  # a recorded change, replayed: this part ends at its step
-    log: MetricsLog | None = None  # metrics.jsonl and the trackers, open across the parts of a run
-
-    @property
-    def last(self) -> Path:
-        return self.out_dir / "checkpoints" / "last.safetensors"
-
-    def elapsed(self) -> float:
-        return self.seconds_before + clock() - self.started
-
-    def fraction_done(self, batches: int) -> float:
-        cfg, progress, parts = self.recipe.train, self.progress, [0.0]
-        if cfg.max_steps:
-            parts.append(progress.step / cfg.max_steps)
-        if cfg.max_epochs:
-            parts.append((progress.epoch + progress.batch_in_epoch / max(1, batches)) / cfg.max_epochs)
-        if cfg.max_time:
-            parts.append(self.elapsed() / (cfg.max_time * 60))
-        return min(1.0, max(parts))
-
-    def save(self, stop_reason: str | None, now: float, branch: bool = False) -> None:
-        """The full state into last, or with `branch` into checkpoints/branch_step_N (kept)."""
-        if not self.cluster.writer:
-            return
-        progress = self.progress
-        progress.seconds = self.elapsed()
-        progress.others_cpu_seconds += self.others.take()
-        progress.peak_memory_mb = max(progress.peak_memory_mb, self.memory.current_peak_mb)
-        progress.log_line = self.line.state(now)
-        self.log.flush()  # the trackers hold every record up to the step this checkpoint resumes at
-        tensors, extra_meta = self.rt.state()
-        meta = {**self.stamp, "progress": asdict(progress), "stop_reason": stop_reason, **extra_meta}
-        if branch:
-            save_checkpoint(self.last.with_name(branch_name(progress.step)), self.model, meta=meta,
-                            optimizer=self.optimizer, extra_tensors=tensors)
-            return
-        # Inside a run of non-finite steps, `previous` keeps the last checkpoint from before it:
-        # the one --resume goes back to if the NaN guard stops the run (xformer.training.resume)
-        streak = float(self.line.skipped_run) > 0
-        rotate = not (streak and self.streaks[-1])
-        save_checkpoint(self.last, self.model, meta=meta, optimizer=self.optimizer, extra_tensors=tensors,
-                        previous=self.last.with_name("previous.safetensors") if rotate else None)
-        self.streaks.append(streak)
-
-    def restore(self, point, change) -> str | None:
-        """--resume: the model, optimizer, progress and RNG as `point` saved them (the recipe's
-        optimizer values, not the saved ones); the limit already reached, if any."""
-        cfg, tensors, meta = self.recipe.train, point.tensors, point.meta
-        if point.why:
-            self.emit("warning", {"message": f"{point.why}; resuming from {point.path} (step {point.step}) instead"})
-        if change is not None:
-            self.emit("setup", {"message": f"from step {point.step}: {change.describe()} (recorded in "
-                                           f"{self.out_dir / 'recipe.toml'})"})
-        load_model_weights(self.model, tensors, point.path)
-        fused = self.optimizer.param_groups[0]["fused"]  # this process's choice, not the saved one
-        load_optimizer_state(self.optimizer, tensors, meta)
-        for group in self.optimizer.param_groups:
-            group.update(betas=tuple(cfg.betas), eps=cfg.adam_eps, fused=fused,
-                         weight_decay=cfg.weight_decay if group["weight_decay"] else 0.0)
-        saved = dict(meta["progress"])
-        saved.setdefault("tokens", saved.pop("target_tokens", 0))  # checkpoints before the rename
-        self.progress = Progress(**saved)
-        self.rt.load_state(tensors, meta)
-        done = _stop_reason(cfg, self.progress, self.progress.seconds, len(self.task.train_batches))
-        if done and finished_at(self.out_dir, self.progress.step):
-            raise RunError(f"{self.out_dir}: the run already stopped by train.{done}; raise that limit "
-                           f"(e.g. --set train.{done}=...) to continue it")
-        return done  # killed after its last checkpoint, before its average and train.json: finish those
-
-
 def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
          emit: Event, recipe_path: str | Path | None, measure_memory: bool, hold: contextlib.ExitStack,
          log: MetricsLog, locked: bool = False) -> TrainResult:
@@ -351,7 +213,7 @@ def _open(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resum
         first = next(iter(task.train_batches.iter_epoch(0)))
         trained = compiled_forward(model, lambda forward: rt.backward(task.loss(forward, first, rt)), rt, emit)
     state = TrainState(recipe=recipe, whole=whole, out_dir=out_dir, cluster=cluster, rt=rt, task=task, model=model,
-                       trained=trained, optimizer=optimizer, card=card, emit=emit, started=started,
+                       trained=trained, optimizer=optimizer, card=card, emit=emit, started=started, clock=clock,
                        stamp={"recipe": whole.to_dict(), "tokenizer": tokenizer_digest(out_dir)},
                        progress=Progress(regularisation=fitted))
     stop_reason = state.restore(point, change) if resumable else None
@@ -507,7 +369,7 @@ def _boundary(state: TrainState, step: tuple, lr: float, started: float, now: fl
     # A signal is acted on at a step boundary, so the checkpoint resumes exactly; one that lands
     # on a validation step lets that validation and its step checkpoint happen first, so the
     # resumed run averages what an uninterrupted one would.
-    stop_reason, step_loss = state.cluster.agree(_stop_reason(cfg, progress, state.elapsed(), len(task.train_batches)),
+    stop_reason, step_loss = state.cluster.agree(limit_reached(cfg, progress, state.elapsed(), len(task.train_batches)),
                                                  bool(state.signals.received), step[0])
     if stop_reason is None and progress.step == state.change_at:  # run() goes on with the recipe changed
         stop_reason = "change"
@@ -524,10 +386,10 @@ def _boundary(state: TrainState, step: tuple, lr: float, started: float, now: fl
                 state.emit("setup", {"message": f"finishing the validation of step {progress.step} first "
                                                 "(a second interrupt stops at once)"})
             if state.cluster.writer:
-                _validate_and_save(state.model, state.recipe, task, state.rt, progress, state.out_dir, state.emit,
+                validate_and_save(state.model, state.recipe, task, state.rt, progress, state.out_dir, state.emit,
                                    state.elapsed, state.stamp, state.log)
             if not interrupted:
-                reason = _stop_reason(cfg, progress, state.elapsed(), len(task.train_batches))
+                reason = limit_reached(cfg, progress, state.elapsed(), len(task.train_batches))
                 stop_reason, _ = state.cluster.agree(reason, False, torch.zeros((), device=state.rt.device))
                 if stop_reason == "patience" and cfg.schedule == "wsd":  # it ends the stable phase
                     state.emit("setup", {"message": state.plan.cool_down_now()})
@@ -560,7 +422,7 @@ def _close(state: TrainState, stop_reason: str | None) -> TrainResult:
         loop_seconds=progress.loop_seconds, tokens=progress.tokens, device=str(state.rt.device),
         precision=state.rt.precision, precision_reason=state.rt.reason, parameters=_parameters(state.model),
         peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
-        card=replace(state.card, wall_seconds=clock() - state.started, processes=cluster.world),
+        card=replace(state.card, wall_seconds=state.clock() - state.started, processes=cluster.world),
         stop_signal=state.signals.name, changes=state.whole.to_dict().get("changes", []),
         regularisation=progress.regularisation,
         # under torch.distributed the other processes are this run's own: not measured
@@ -572,55 +434,3 @@ def _close(state: TrainState, stop_reason: str | None) -> TrainResult:
                           finite_json(result.to_dict(), indent=2))
     state.emit("end", {k: v for k, v in result.to_dict().items() if k != "loop_overhead"})
     return result
-
-
-def _stop_reason(cfg, progress: Progress, seconds: float, batches_per_epoch: int) -> str | None:
-    """The limit that has been reached, if any (checked after every step and on resume)."""
-    if cfg.schedule == "wsd" and progress.decay_end and progress.step >= progress.decay_end:
-        return progress.decay_limit  # the cooldown planned for that limit is over
-    if cfg.max_steps and progress.step >= cfg.max_steps:
-        return "max_steps"
-    if cfg.max_time and seconds >= cfg.max_time * 60:
-        return "max_time"
-    if cfg.max_epochs and progress.epoch + progress.batch_in_epoch / batches_per_epoch >= cfg.max_epochs:
-        return "max_epochs"
-    if cfg.patience and progress.bad_validations >= cfg.patience and not (cfg.schedule == "wsd" and progress.decay_end):
-        return "patience"  # with wsd: the stable phase's end (the loop starts the cooldown), never a cooldown's
-    return None
-
-
-def _validate_and_save(model, recipe, task, rt, progress, out_dir, emit, elapsed, stamp,
-                       log: MetricsLog | None = None) -> None:
-    """Validate; write the step checkpoint (kept for averaging) and, on improvement, the best;
-    the record to `log` (metrics.jsonl and the run's trackers; metrics.jsonl alone by default)."""
-    cfg = recipe.train
-    # the tuned heap keeps what it frees (xformer.allocator): hand the training step's free pages
-    # back before decoding and the decoder's after, so the two are never resident together
-    release()
-    scores = task.validate(model, rt)
-    release()
-    record = {"kind": "valid", "step": progress.step, "epoch": progress.epoch + 1, **scores, "seconds": elapsed()}
-    key = recipe.best_metric
-    sign = -1.0 if key == "loss" else 1.0
-    # a non-finite score (weights gone NaN) is never the best, and a best is never compared with one
-    finite = math.isfinite(scores[key])
-    kept = progress.best is not None and key in progress.best and progress.best[key] is not None \
-        and math.isfinite(progress.best[key])
-    improved = finite and (not kept or sign * scores[key] > sign * progress.best[key])
-    if improved:
-        progress.best = {"step": progress.step, **scores}
-        progress.bad_validations = 0
-        save_checkpoint(out_dir / "checkpoints" / "best.safetensors", model,
-                        meta={**stamp, "step": progress.step, "valid": scores})
-    else:
-        progress.bad_validations += 1
-    name = f"step_{progress.step:07d}.safetensors"
-    if cfg.average_last:
-        save_checkpoint(out_dir / "checkpoints" / name, model, meta={**stamp, "step": progress.step})
-        progress.kept.append(name)
-        while len(progress.kept) > cfg.average_last:
-            (out_dir / "checkpoints" / progress.kept.pop(0)).unlink(missing_ok=True)
-    record["best"] = improved
-    progress.history.append(record)
-    (log or MetricsLog(out_dir)).write(record)
-    emit("valid", record)
