@@ -26,7 +26,7 @@ from xformer.data.batching import BatchIterator
 from xformer.data.corpus import encode_split, load_split
 from xformer.data.tokenizer import PAD_ID
 from xformer.tasks import make_task
-from xformer.tasks.translation import ensure_tokenizer
+from xformer.tasks.translation_tokenizer import ensure_tokenizer
 from xformer.train import run
 from xformer.training.losses import sequence_loss
 

@@ -612,7 +612,7 @@ def test_overwrite_only_replaces_run_directories(corpus, tmp_path):
 
 
 def test_an_existing_tokenizer_must_match_the_recipe(trained, corpus, tmp_path):
-    from xformer.tasks.translation import ensure_tokenizer
+    from xformer.tasks.translation_tokenizer import ensure_tokenizer
 
     out, _ = trained
     with pytest.raises(RunError, match="trained with vocab_size = 300; the recipe says vocab_size = 400"):
@@ -625,7 +625,7 @@ def test_a_train_limit_trains_exactly_as_a_corpus_cut_to_that_many_rows(corpus, 
     the limit, so a run without it cannot reuse it, and an older settings.json (no such key)
     still means the whole split."""
     from xformer.errors import RecipeError
-    from xformer.tasks.translation import ensure_tokenizer
+    from xformer.tasks.translation_tokenizer import ensure_tokenizer
 
     cut = tmp_path / "cut"
     cut.mkdir()

@@ -9,7 +9,8 @@ from xformer.config.schema import Recipe
 from xformer.data.tokenizer import UNK_ID, Side, Tokenizer
 from xformer.errors import RunError
 from xformer.results import TokenizeResult
-from xformer.tasks.translation import TranslationData, ensure_tokenizer
+from xformer.tasks.translation import TranslationData
+from xformer.tasks.translation_tokenizer import ensure_tokenizer
 from xformer.training.run_folder import check_out_dir, mark_run_dir, tokenizer_dir
 
 

@@ -9,7 +9,6 @@ sacreBLEU and chrF. `xformer eval` decodes with the recipe's beam and scores wit
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -23,8 +22,8 @@ import torch
 from xformer.config.schema import DistillConfig, Recipe, TrainConfig
 from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
 from xformer.data.corpus import encode_split, load_split
-from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer, train_tokenizer
-from xformer.errors import DataError, RunError
+from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from xformer.errors import DataError
 from xformer.events import Event
 from xformer.files import atomic_write_text
 from xformer.generation.ctranslate2_engine import check_export, ctranslate2_ids
@@ -43,12 +42,11 @@ from xformer.tasks.base import (
     site_space,
 )
 from xformer.tasks.teacher import Teacher, distilled_corpus, open_teacher, share_tokenizer
+from xformer.tasks.translation_tokenizer import ensure_tokenizer
 from xformer.training.cpuload import OtherLoad
 from xformer.training.device import Runtime
 from xformer.training.losses import distillation_kl, rdrop_kl, sequence_loss
 from xformer.training.run_folder import eval_name, tokenizer_dir
-
-SETTINGS = "settings.json"  # the [data] values a tokenizer was trained with, next to it
 
 
 @dataclass
@@ -471,53 +469,6 @@ class TranslationSubject(Subject):
         name = split or d.test_split
         raw = load_split(d.dataset, name, [d.source_lang, d.target_lang], d.dataset_config or None)
         return (self.tokenizer.encode(list(raw[d.source_lang]), "source"), list(raw[d.target_lang])), name
-
-
-# ---------------------------------------------------------------- the run's tokenizer
-
-
-# what a tokenizer's settings.json meant by a key it was written without (an older xformer's)
-SETTINGS_BEFORE = {"train_limit": 0}
-
-
-def tokenizer_settings(recipe: Recipe) -> dict:
-    d = recipe.data
-    return {"dataset": d.dataset, "train_split": d.train_split, "train_limit": d.train_limit,
-            "source_lang": d.source_lang, "target_lang": d.target_lang, "tokenizer": d.tokenizer,
-            "vocab_size": d.vocab_size,
-            "joint_vocab": d.joint_vocab, "character_coverage": d.character_coverage,
-            "byte_fallback": d.byte_fallback, "seed": recipe.train.seed}
-
-
-def ensure_tokenizer(recipe: Recipe, run_dir: str | Path, train_split=None) -> Tokenizer:
-    """The run's tokenizer, trained on the recipe's training split when the run has none yet.
-
-    An existing one must have been trained with the recipe's [data] values (settings.json);
-    a tokenizer put there by hand (no settings.json) is taken as it is."""
-    d = recipe.data
-    directory = tokenizer_dir(run_dir)
-    wanted = tokenizer_settings(recipe)
-    if directory.is_dir() and any(directory.glob("*.model")):
-        saved_path = directory / SETTINGS
-        if saved_path.is_file():
-            saved = json.loads(saved_path.read_text())
-            saved = {**SETTINGS_BEFORE, **saved}
-            differ = [k for k in wanted if k not in ("dataset", "seed") and saved.get(k) != wanted[k]]
-            if differ:
-                found = ", ".join(f"{k} = {saved.get(k)!r}" for k in differ)
-                raise RunError(f"{directory}: trained with {found}; the recipe says "
-                               f"{', '.join(f'{k} = {wanted[k]!r}' for k in differ)} (retrain it with "
-                               "xformer tokenize --overwrite, or use another --out)")
-        return Tokenizer.load(directory, d.source_lang, d.target_lang)
-    if train_split is None:
-        train_split = d.load_train([d.source_lang, d.target_lang])
-    tokenizer = train_tokenizer(
-        train_split, d.source_lang, d.target_lang, directory, model_type=d.tokenizer, vocab_size=d.vocab_size,
-        joint=d.joint_vocab, character_coverage=d.character_coverage, byte_fallback=d.byte_fallback,
-        seed=recipe.train.seed,
-    )
-    atomic_write_text(directory / SETTINGS, json.dumps(wanted, indent=2))
-    return tokenizer
 
 
 def _counts(ids: list[list[int]], size: int) -> np.ndarray:
