@@ -244,7 +244,7 @@ def generate_recall(
         keys = rng.choice(n_keys, size=n_pairs, replace=False)
         values = rng.integers(0, n_values, size=n_pairs)
         ids = np.empty(seq_len, dtype=np.int64)
-        pairs, rest = (0, 2 * n_pairs) if bindings == "start" else (gap, 0)  # where the pairs, the filler start
+        pairs, rest = (0, 2 * n_pairs) if bindings == "start" else (gap, 0)  # where the pairs and the filler begin
         ids[pairs : pairs + 2 * n_pairs : 2] = 1 + keys
         ids[pairs + 1 : pairs + 2 * n_pairs : 2] = value_base + values
         filler = filler_base + rng.integers(0, n_filler, size=seq_len - 2 * n_pairs)
