@@ -51,3 +51,19 @@ def test_sittings_add_up_and_merge_across_folders_each_once(tmp_path):
     for folder in (here, there):
         wall = wall_time(folder)
         assert (wall["minutes"], wall["sittings"], wall["jobs"], wall["cores"]) == (30.0, 2, [2], [2])
+
+
+def test_an_older_copy_of_a_sitting_never_replaces_a_later_one(tmp_path):
+    """An archive committed mid-run holds a sitting at the seconds it had then; restored into the
+    experiment's folder, where the same sitting ran on, it must not take those seconds back."""
+    archive, out = tmp_path / "archive", tmp_path / "out"
+    started = "2026-01-01T00:00:00+00:00"
+    for folder, seconds, ended in ((archive, 600.0, None), (out, 4800.0, "finished")):
+        folder.mkdir()
+        (folder / SITTINGS).write_text(json.dumps([{"started": started, "seconds": seconds, "jobs": 1, "cores": 2,
+                                                    "cpu": "x", "ended": ended}]))
+    merge_sittings(archive, out)
+    assert wall_time(out)["minutes"] == 80.0
+    merge_sittings(out, archive)  # and the archive takes the later copy
+    assert wall_time(archive)["minutes"] == 80.0
+    assert json.loads((archive / SITTINGS).read_text())[0]["ended"] == "finished"

@@ -61,7 +61,11 @@ def merge_sittings(src: Path, dest: Path) -> None:
     """Add SRC's sittings to DEST's (the folders' sittings.json), each sitting once: an archive
     and the experiment folder it is restored into each keep every machine's."""
     theirs, mine = read_sittings(src), read_sittings(dest)
-    by_start = {s["started"]: s for s in [*mine, *theirs]}  # the same sitting: SRC's is the later copy
+    by_start = {}
+    for sitting in [*mine, *theirs]:  # the same sitting in both: the copy that ran longer is the later one
+        kept = by_start.get(sitting["started"])
+        if kept is None or sitting["seconds"] > kept["seconds"]:
+            by_start[sitting["started"]] = sitting
     if theirs and list(by_start.values()) != mine:
         Path(dest).mkdir(parents=True, exist_ok=True)
         merged = sorted(by_start.values(), key=lambda s: s["started"])
