@@ -9,6 +9,11 @@ import torch
 
 SHARED = Path(__file__).resolve().parents[1].parent / "shared"
 
+# One terminal width for the whole suite and the processes it starts. Without it rich wraps
+# at the width of whatever terminal pytest runs in (80 in CI), and a message holding a long
+# temporary path breaks at a place that moves with the path, under the tests that read it.
+os.environ["COLUMNS"] = "240"
+
 
 def pytest_configure(config):
     """A compile cache of the suite's own (inherited by the processes tests start): torch's
