@@ -98,6 +98,29 @@ def test_a_check_between_two_cells_that_are_not_the_baseline_shows_no_paired_tes
     assert "+1.00 (+8.3%)" in outcome.reason  # b - a in seed 1, relative to a's mean of 12
 
 
+def test_a_check_across_lengths_waits_for_its_cells_to_learn_the_task_at_the_training_length():
+    """Extrapolation read off a model that never learned the task (chance at the training
+    length, so chance at every length) would "support" not_worse; with the scale's reference
+    score such a cell makes the check inconclusive, and a cell that learned is judged as before."""
+    data = results({"sin": [55.0, 54.0, 56.0], "learned": [99.5, 99.0, 99.8]}, {"learned": [0.01] * 3}, "sin")
+    at = {"sin": [54.0, 55.0, 55.5], "learned": [60.0, 58.0, 63.0]}  # scored at 64 tokens
+    for run in data["runs"]:
+        run["test_at"] = {"64": at[run["cell"]][run["seed"] - 1]}
+    stuck = Check("sin", "not_worse", than="sin", percent=10, length=64)
+    assert judge(stuck, data).verdict == "supported"  # without a reference: the trap
+    outcome = judge(stuck, data, reference=99.0)
+    assert outcome.verdict == "inconclusive"
+    assert outcome.reason.startswith("sin did not learn the task at its training length (test mean 55.00, 56% "
+                                     "of the reference 99; rule: at least 90%)")
+    learned = Check("learned", "worse", than="learned", percent=10, length=64)
+    assert judge(learned, data, reference=99.0).verdict == judge(learned, data).verdict == "supported"
+    # the cell it is compared with counts too: learned at 64 against sin at its own length
+    against = Check("learned", "better", than="sin", length=64)
+    assert "sin did not learn" in judge(against, data, reference=99.0).reason
+    same_length = Check("learned", "better", than="sin")  # not across lengths: judged as before
+    assert judge(same_length, data, reference=99.0).verdict == "supported"
+
+
 def test_a_speed_check_compares_the_timed_speeds_by_the_same_rule():
     # the test scores would say "worse"; the check reads decode speeds: about 3x the baseline's
     data = results({"base": BASE, "fast": [9.0, 10.0, 11.0]}, {"fast": [0.01] * 3})

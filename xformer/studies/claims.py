@@ -218,11 +218,15 @@ def _check_problems(check: Check, cells: list[str], name: str) -> list[str]:
     return out
 
 
-def judge(check: Check, results: dict) -> Outcome:
+def judge(check: Check, results: dict, reference: float = 0.0) -> Outcome:
     """Judge one check against an experiment's results.json (xformer.studies.experiment): on the
-    seed-paired mean difference and its 95% t-interval across seeds (module docstring)."""
+    seed-paired mean difference and its 95% t-interval across seeds (module docstring). With the
+    scale's `reference` score, a check across lengths first asks that the cells it reads learned
+    the task at the training length (unlearned)."""
     than = check.cell if check.than_init else check.than or results["baseline"]
     seeds = results["seeds"]
+    if reference and (check.length or check.than_length) and (why := unlearned((check.cell, than), results, reference)):
+        return Outcome(check, "inconclusive", why)
     # the cell and what it is compared with, seed by seed (itself at another length, or at
     # initialisation, it may be)
     mine, theirs = (_scores(results, check.metric, length) for length in (check.length, check.than_length))
@@ -414,6 +418,20 @@ def claimed_gap(check: Check) -> str:
     unit = "%" if check.percent else ""
     text = f"{check.percent or check.points:g}{unit}"
     return text + (f" to {check.up_to:g}{unit}" if check.up_to else "")
+
+
+def unlearned(cells, results: dict, reference: float) -> str:
+    """Why a comparison across lengths cannot be read: a cell whose test mean at the training
+    length is under REFERENCE_SHARE % of the scale's reference never learned the task there, and
+    its score at another length then says nothing about extrapolating it. "" when all did."""
+    scores = _scores(results, "test", 0)
+    for cell in dict.fromkeys(cells):
+        mean = statistics.fmean(scores[(cell, seed)] for seed in results["seeds"])
+        if 100 * mean < REFERENCE_SHARE * reference:
+            return (f"{cell} did not learn the task at its training length (test mean {mean:.2f}, "
+                    f"{100 * mean / reference:.0f}% of the reference {reference:g}; rule: at least "
+                    f"{REFERENCE_SHARE:g}%): its score at another length says nothing about extrapolation")
+    return ""
 
 
 def _scores(results: dict, metric: str, length: int) -> dict:

@@ -222,7 +222,7 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
     if record is None:
         return {**row, "verdict": "not measured yet"}
     results = record["results"]
-    outcomes = [judge(check, results) for check in experiment.checks]
+    outcomes = [judge(check, results, c.reference) for check in experiment.checks]
     measured = verdict(outcomes)
     untestable = []  # the preconditions that fail here, or cannot be checked
     for condition in claim.preconditions:
@@ -243,7 +243,7 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
                                                  for check in experiment.checks))
     if differing["refuse"]:
         shown = "not comparable: the runs differ in " + "; ".join(differing["refuse"])
-    at_budgets = [{"budget": curve["budget"], "verdict": verdict([judge(check, {**results, **curve})
+    at_budgets = [{"budget": curve["budget"], "verdict": verdict([judge(check, {**results, **curve}, c.reference)
                                                                    for check in experiment.checks]),
                    "order": [cell["cell"] for cell in sorted(curve["cells"], key=lambda cell: -cell["test_mean"])]}
                   for curve in results.get("curves") or []]
