@@ -11,7 +11,8 @@ import tomllib
 from typer.testing import CliRunner
 
 from tests.test_experiment import recall_spec
-from xformer.studies.claims import Check, convergence, describe, half_width, judge, verdict
+from xformer.studies.claim_spec import Check
+from xformer.studies.claims import convergence, describe, half_width, judge, verdict
 from xformer.studies.ledger import ledger_problems, read_spec
 from xformer_cli.main import app
 
@@ -155,7 +156,7 @@ def test_a_speed_timed_beside_other_work_judges_nothing():
 def test_a_head_role_count_is_judged_against_the_same_runs_at_initialisation():
     """"Heads specialise": each seed's trained count minus its own untrained count (the chance
     level), by the same t-interval as any check; the spec may not name another cell then."""
-    from xformer.studies.claims import claim_from_table
+    from xformer.studies.claim_spec import claim_from_table
 
     data = results({"base": BASE}, {})
     for run, trained, init in zip(data["runs"], [5, 6, 4], [0, 1, 0], strict=True):
@@ -462,7 +463,8 @@ def test_the_ledger_regenerates_its_own_file_and_refuses_a_users(ledger, tmp_pat
 
 
 def test_a_precondition_is_checked_against_the_test_lengths_and_the_device():
-    from xformer.studies.claims import Precondition, testable
+    from xformer.studies.claim_spec import Precondition
+    from xformer.studies.claims import testable
 
     data = results({"base": BASE, "x": [11.0, 12.1, 12.9]}, {"x": [0.01] * 3})
     rank = Precondition(what="rank below the sources", cell="x", key="model.rank", below="median_source")
@@ -480,7 +482,8 @@ def test_a_precondition_is_checked_against_the_test_lengths_and_the_device():
 
 
 def test_replication_is_our_interval_on_the_published_side():
-    from xformer.studies.claims import Claim, replication
+    from xformer.studies.claim_spec import Claim
+    from xformer.studies.claims import replication
 
     published_loss = Claim(anchor="a paper", anchor_cell="x", anchor_percent=-2.4)
     down = results({"base": BASE, "x": [9.0, 9.8, 11.2]}, {"x": [0.01] * 3})  # -1.0, -1.2, -0.8

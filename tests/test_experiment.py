@@ -514,7 +514,8 @@ def test_runs_are_scored_at_longer_lengths_and_learned_positions_cannot_go_past_
     positions with a 48-position table score at 40 (on positions never trained) and "cannot
     extrapolate" to 64, which is a result (scored 0, the reason kept), not an error. A check
     compares a cell with itself at another length."""
-    from xformer.studies.claims import Check, judge
+    from xformer.studies.claim_spec import Check
+    from xformer.studies.claims import judge
 
     spec = tmp_path / "lengths.toml"
     cells = 'one = ["model.positional=learned", "model.max_positions=48"]\ntwo = ["model.positional=sinusoidal"]'

@@ -12,7 +12,7 @@ from xformer.config.loading import load_recipe, parse_override, read_toml
 from xformer.config.schema import Recipe
 from xformer.config.strict import did_you_mean, section_from_dict
 from xformer.errors import RecipeError
-from xformer.studies.claims import Check, Claim, claim_from_table
+from xformer.studies.claim_spec import Check, Claim, claim_from_table
 
 CELL_NAME = re.compile(r"[a-z0-9][a-z0-9_.]*")
 TABLES = ("experiment", "claim")
@@ -72,7 +72,7 @@ class Experiment:
     cells: dict[str, list[str]]
     source: Path
     overrides: list[str] = field(default_factory=list)  # --set of every cell, after experiment.set
-    claim: Claim | None = None  # the [claim] the experiment tests (xformer/studies/claims.py), if any
+    claim: Claim | None = None  # the [claim] the experiment tests (xformer/studies/claim_spec.py), if any
     checks: list[Check] = field(default_factory=list)
 
     def recipe(self, cell: str, seed: int, budget: int = 0) -> Recipe:

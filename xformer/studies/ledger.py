@@ -1,6 +1,6 @@
 """The claims ledger: docs/claims.md, generated from the claim specs and their experiments.
 
-    specs     recipes/claims/*.toml: a [claim] table each (xformer/studies/claims.py), with the
+    specs     recipes/claims/*.toml: a [claim] table each (xformer/studies/claim_spec.py), with the
               [experiment] that measures it or `blocked` saying what xformer lacks
     runs      RUNS/<spec name>/results.json, written by `xformer experiment`
     records   RECORDS/<spec name>.json: what the ledger last read from a run folder (the results
@@ -23,11 +23,9 @@ from xformer.config.loading import read_toml
 from xformer.errors import RecipeError, RunError
 from xformer.files import atomic_write_text
 from xformer.results import Ledger
+from xformer.studies.claim_spec import ROLE_METRICS, Claim, claim_from_table
 from xformer.studies.claims import (
     CONVERGED_GAIN,
-    ROLE_METRICS,
-    Claim,
-    claim_from_table,
     convergence,
     describe,
     judge,

@@ -7,7 +7,7 @@ import json
 import statistics
 
 from xformer.results import ExperimentResult
-from xformer.studies.claims import METRIC_KEYS, ROLE_METRICS
+from xformer.studies.claim_spec import METRIC_KEYS, ROLE_METRICS
 from xformer.studies.experiment_report import markdown
 
 HEADER = """# The claims ledger
