@@ -172,8 +172,7 @@ def convergence(results: dict, cell: str, reference: float = 0.0) -> dict:
         ends.append(pick(v for _, v in curve))
     half, end = statistics.fmean(halves), statistics.fmean(ends)
     gain = 100 * (end - half) / abs(half) * (-1 if results.get("metric") == "loss" else 1) if half else math.inf
-    test = statistics.fmean(r["test"] for r in runs)
-    share = 100 * test / reference if reference else None
+    share = reference_share(results, cell, reference)[1] if reference else None
     converged = gain < CONVERGED_GAIN and (share is None or share >= REFERENCE_SHARE)
     words = f"{cell} gained {gain:.1f}% on validation over its last doubling of steps (rule: under {CONVERGED_GAIN:g}%)"
     if share is not None:
@@ -259,14 +258,19 @@ def unlearned(cells, results: dict, reference: float) -> str:
     """Why a comparison across lengths cannot be read: a cell whose test mean at the training
     length is under REFERENCE_SHARE % of the scale's reference never learned the task there, and
     its score at another length then says nothing about extrapolating it. "" when all did."""
-    scores = _scores(results, "test", 0)
     for cell in dict.fromkeys(cells):
-        mean = statistics.fmean(scores[(cell, seed)] for seed in results["seeds"])
-        if 100 * mean < REFERENCE_SHARE * reference:
+        mean, share = reference_share(results, cell, reference)
+        if share < REFERENCE_SHARE:
             return (f"{cell} did not learn the task at its training length (test mean {mean:.2f}, "
-                    f"{100 * mean / reference:.0f}% of the reference {reference:g}; rule: at least "
+                    f"{share:.0f}% of the reference {reference:g}; rule: at least "
                     f"{REFERENCE_SHARE:g}%): its score at another length says nothing about extrapolation")
     return ""
+
+
+def reference_share(results: dict, cell: str, reference: float) -> tuple[float, float]:
+    """`cell`'s test mean over its seeds and the % of the scale's reference score it reaches."""
+    mean = statistics.fmean(r["test"] for r in results["runs"] if r["cell"] == cell)
+    return mean, 100 * mean / reference
 
 
 def _scores(results: dict, metric: str, length: int) -> dict:
