@@ -283,6 +283,8 @@ def quality(
     lenpens: Annotated[list[float], typer.Option("--lenpen", help="Length penalties chosen among on validation "
                                                                   "(repeatable) [default: 1.0 1.6 2.2].")
                        ] = [],  # noqa: B006
+    jobs: Annotated[int, typer.Option("--jobs", min=1, help="Runs at once, each pinned to an equal share of the "
+                                                          "CPUs with as many threads (the folder keeps it).")] = 1,
     overrides: SetOption = [],  # noqa: B006
     device: DeviceOption = "auto",
     as_json: JsonOption = False,
@@ -290,10 +292,10 @@ def quality(
     """Translation quality of xformer against HF MarianMTModel of the recipe's size trained from
     scratch on the same corpus, tokenizer, batches and wall-clock budget: each run in its own
     process, the checkpoint and length penalty chosen on validation, test scored once, paired
-    bootstrap seed by seed."""
+    bootstrap seed by seed. One machine a folder: a call on another is refused."""
     config = QualityConfig(recipe=str(recipe), sets=list(overrides), systems=[s.value for s in systems] or
                            list(SYSTEMS), seeds=seeds or [1, 2, 3], minutes=minutes,
-                           lenpens=lenpens or list(LENPENS), device=device)
+                           lenpens=lenpens or list(LENPENS), device=device, jobs=jobs)
     with FolderLock(out, "bench quality"), GridBar("quality", console) as bar:
         def on_event(kind: str, p: dict) -> None:
             if kind == "plan":
@@ -315,9 +317,13 @@ def quality(
 
 
 def quality_table(result: QualityBench) -> Table:
-    minutes = result.config["minutes"]
+    minutes, jobs = result.config["minutes"], result.config.get("jobs", 1)
     precisions = ", ".join(sorted({f"{r['system']} {r['precision']}" for r in result.runs}))
-    table = Table(title=f"{minutes:g} minutes a run ({precisions})", header_style="bold")
+    threads = "/".join(str(t) for t in sorted({r.get("threads") for r in result.runs if r.get("threads")}))
+    machine = ", ".join(sorted({r["cpu"] for r in result.runs if r.get("cpu")}))
+    shared = f", {jobs} runs at once" if jobs > 1 else ""
+    table = Table(title=f"{minutes:g} minutes a run ({precisions}; {threads or '?'} threads a run{shared}; "
+                        f"{machine or 'CPU not recorded'})", header_style="bold")
     for column in ("system", "seed", "steps", "epochs", "best", "valid", "lenpen", "beam", "test", "chrF"):
         table.add_column(column, justify="left" if column == "system" else "right")
     for r in result.runs:

@@ -9,8 +9,10 @@ import pytest
 from typer.testing import CliRunner
 
 from tests.extras import need
-from xformer.bench.quality import PEER, _wsd_plan, marian_model, score_marian, train_marian
+from xformer.bench import quality
+from xformer.bench.quality import PEER, _wsd_plan, cpu_groups, marian_model, score_marian, train_marian
 from xformer.config.loading import load_recipe
+from xformer.errors import XformerError
 from xformer.model import build_model
 from xformer_cli.main import app
 
@@ -103,6 +105,60 @@ def test_bench_quality_refuses_bad_input_before_it_trains(corpus, tmp_path):
                                   "--set", f"data.dataset={json.dumps(str(corpus))}"])
     assert stopped.exit_code == 2 and "stopped before its end" in stopped.output
     assert half.is_dir()  # never removed for the user
+
+
+def test_runs_at_once_share_the_cpus_equally_and_never_overlap(monkeypatch):
+    monkeypatch.setattr(quality.os, "sched_getaffinity", lambda pid: {7, 2, 3, 5, 4})
+    assert cpu_groups(1) == [None]  # one at a time keeps what it inherits
+    assert cpu_groups(2) == [[2, 3], [4, 5]]  # equal shares; the fifth CPU is left idle
+    assert cpu_groups(5) == [[2], [3], [4], [5], [7]]
+    with pytest.raises(XformerError, match="--jobs 6: expected at most 5"):
+        cpu_groups(6)
+
+
+def test_bench_quality_measures_one_machine_a_folder(corpus, tmp_path):
+    """A folder's runs come from one machine and one way of sharing it: a later call that
+    differs (another CPU, another --jobs) is refused before it trains, naming what differs."""
+    runner = CliRunner()
+    command = ["bench", "quality", str(RECIPE), "--seed", "1", "--system", "xformer", "--device", "cpu",
+               *itertools.chain.from_iterable(("--set", s) for s in tiny(corpus))]
+    out = tmp_path / "q"
+    out.mkdir()
+    (out / "machine.json").write_text(json.dumps({"cpu": "Another CPU", "cpus": 2, "torch": "2.4.0",
+                                                  "device": "cpu", "jobs": 1}))
+    refused = runner.invoke(app, [*command, "--out", str(out)])
+    assert refused.exit_code == 2 and "'Another CPU' there" in refused.output and "torch" in refused.output
+    assert not (out / "xformer-seed1").exists()
+    too_many = runner.invoke(app, [*command, "--out", str(tmp_path / "r"), "--jobs", "4096"])
+    assert too_many.exit_code == 2 and "--jobs 4096: expected at most" in too_many.output
+    assert not (tmp_path / "r").exists()
+
+
+@pytest.mark.slow
+def test_two_runs_at_once_each_train_on_their_own_cpus(corpus, tmp_path):
+    """--jobs 2: xformer and the peer train side by side, each pinned to its own half of the
+    CPUs with as many threads, and are scored as one at a time would be; the folder keeps its
+    jobs, so the same call resumes and another --jobs is refused."""
+    need("transformers")
+    if len(quality.os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    runner = CliRunner()
+    command = ["bench", "quality", str(RECIPE), "--out", str(tmp_path / "q"), "--minutes", "0.05", "--seed", "1",
+               "--system", "xformer", "--system", "marian", "--lenpen", "1.0", "--device", "cpu",
+               *itertools.chain.from_iterable(("--set", s) for s in tiny(corpus, "train.warmup_steps=10"))]
+    done = runner.invoke(app, [*command, "--jobs", "2", "--json"])
+    assert done.exit_code == 0, done.output
+    report = json.loads(done.stdout)
+    ours, theirs = report["runs"]
+    share = len(quality.os.sched_getaffinity(0)) // 2
+    assert len(ours["cpus"]) == len(theirs["cpus"]) == ours["threads"] == theirs["threads"] == share
+    assert not set(ours["cpus"]) & set(theirs["cpus"])
+    assert report["paired"]["marian"][0]["seed"] == 1 and len(ours["hypotheses"]) > 0
+    assert json.loads((tmp_path / "q" / "machine.json").read_text())["jobs"] == 2
+    again = runner.invoke(app, [*command, "--jobs", "2"])
+    assert again.exit_code == 0 and "2 runs, 2 done already" in again.output
+    other = runner.invoke(app, [*command, "--jobs", "1"])
+    assert other.exit_code == 2 and "jobs 2 there, 1 here" in other.output
 
 
 @pytest.mark.slow

@@ -1,7 +1,9 @@
 """Translation quality against HF Marian at the same time budget (`xformer bench peers --quality`).
 
 Each system trains a recipe (the flagship by default) for `minutes` of wall time in a process of
-its own, one after the other, seed after seed:
+its own, seed after seed, then chooses and scores in that process; one run at a time, or with
+`jobs` > 1 that many at once, each pinned to its own share of the CPUs with as many threads
+(xformer's run of a seed beside a peer's: the pairs share the machine alike):
 
     xformer     `xformer train` of the recipe as it stands
     marian      HF transformers' MarianMTModel of the recipe's size from a MarianConfig (nothing
@@ -22,7 +24,10 @@ Fair both ways, by construction rather than by care:
 - the same selection: validated every train.valid_every steps and at the end, the best
   checkpoint by cased greedy sacreBLEU on validation; then one length penalty chosen on
   validation from the same grid for both, beam eval.beam; test scored once, with that checkpoint
-  and penalty. Paired bootstrap (sacreBLEU) of xformer against each peer, seed by seed.
+  and penalty. Paired bootstrap (sacreBLEU) of xformer against each peer, seed by seed;
+- the same machine: the output folder keeps the CPU, cores, torch and jobs of its first call
+  (machine.json), and a later call on another machine, or with other jobs, is refused rather
+  than mixed into one side-by-side.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ from xformer.tasks.base import EvalRequest
 from xformer.train import run
 from xformer.training.device import resolve_runtime
 from xformer.training.progress import append_jsonl
+from xformer.training.run_card import cpu_name
 
 SYSTEMS = ("xformer", "marian", "marian_wsd")
 PAD, BOS, EOS = 0, 2, 3
@@ -73,6 +79,7 @@ class QualityConfig:
     minutes: float = 50.0
     lenpens: list[float] = field(default_factory=lambda: list(LENPENS))
     device: str = "auto"
+    jobs: int = 1  # runs at once, each pinned to len(CPUs) // jobs of them (cpu_groups)
 
 
 @dataclass
@@ -80,9 +87,9 @@ class QualityBench(Result):
     """Per run (system x seed): what it trained and scored; per peer: xformer's paired tests."""
 
     config: dict
-    runs: list[dict]  # {"system", "seed", "steps", "epochs", "train_seconds", "precision", "best_step",
-    #                    "valid_bleu" (greedy, the best checkpoint), "lenpen", "valid_beam_bleu", "test_bleu",
-    #                    "test_chrf", "hypotheses"}
+    runs: list[dict]  # {"system", "seed", "steps", "epochs", "train_seconds", "precision", "cpu", "threads",
+    #                    "cpus", "best_step", "valid_bleu" (greedy, the best checkpoint), "lenpen", "valid_beam_bleu",
+    #                    "test_bleu", "test_chrf", "hypotheses"}
     means: dict  # system -> {"test_bleu", "spread"} over seeds
     paired: dict  # peer -> [paired_bleu of xformer against it, one per seed]
 
@@ -249,35 +256,32 @@ def score_marian(recipe, out_dir: Path, split: str, *, lenpen: float, device: st
 
 # ---------------------------------------------------------------------------- the benchmark
 def bench_quality(config: QualityConfig, out_dir: str | Path, *, on_event: Event | None = None) -> QualityBench:
-    """Train every system for every seed (each in its own process, in turn), choose the length
-    penalty on validation, score test once, and test xformer against each peer, seed by seed.
-    Events: "plan" {"runs"}, "training" {"name"}, "tick" {"fraction"}, "trained" {run}. A run
-    whose folder already holds its result is not trained again (the benchmark resumes)."""
+    """Train every system for every seed (each in its own process, `config.jobs` at a time),
+    choose the length penalty on validation, score test once, and test xformer against each
+    peer, seed by seed. Events: "plan" {"runs", "done"}, "training" {"name"}, "tick" {"fraction":
+    the runs in flight, summed}, "trained" {run}. A run whose folder already holds its result is
+    not trained again (the benchmark resumes), on the machine it began on only."""
     emit = on_event or ignore
     out_dir = Path(out_dir)
     unknown = [s for s in config.systems if s not in SYSTEMS]
     if unknown:
         raise XformerError(f"system {unknown[0]}: expected one of {', '.join(SYSTEMS)}")
+    groups = cpu_groups(config.jobs)
     load_recipe(config.recipe, config.sets)  # a bad recipe or --set fails before an hour of training
+    folders = [(system, seed, out_dir / f"{system}-seed{seed}") for seed in config.seeds for system in config.systems]
+    for _, _, folder in folders:
+        if not (folder / "quality.json").is_file() and folder.exists() and not (folder / "train.json").is_file():
+            raise RunError(f"{folder}: a run that stopped before its end (no train.json); move it away to train "
+                           "it again")  # train.json is written last, by both systems
     out_dir.mkdir(parents=True, exist_ok=True)
-    names = [f"{system}-seed{seed}" for seed in config.seeds for system in config.systems]
-    emit("plan", {"runs": len(names), "done": sum((out_dir / n / "quality.json").is_file() for n in names)})
-    runs = []
-    for seed in config.seeds:
-        recipe = load_recipe(config.recipe, [*config.sets, f"train.seed={seed}", f"train.max_time={config.minutes}"])
-        for system in config.systems:
-            folder = out_dir / f"{system}-seed{seed}"
-            emit("training", {"name": folder.name})
-            if not (folder / "quality.json").is_file():
-                if not (folder / "train.json").is_file():  # train.json is written last, by both
-                    if folder.exists():
-                        raise RunError(f"{folder}: a run that stopped before its end (no train.json); move it "
-                                       "away to train it again")
-                    _train_in_process(system, config, seed, folder, emit)
-                _select_and_score(system, recipe, folder, config)
-            run = json.loads((folder / "quality.json").read_text())
-            runs.append(run)
-            emit("trained", run)
+    _pin_machine(out_dir, config)
+    waiting = [(system, seed, folder) for system, seed, folder in folders if not (folder / "quality.json").is_file()]
+    emit("plan", {"runs": len(folders), "done": len(folders) - len(waiting)})
+    for _, _, folder in folders:
+        if (folder / "quality.json").is_file():
+            emit("trained", json.loads((folder / "quality.json").read_text()))
+    _run_all(waiting, config, groups, emit)
+    runs = [json.loads((folder / "quality.json").read_text()) for _, _, folder in folders]
     means = {}
     for system in config.systems:
         scores = [r["test_bleu"] for r in runs if r["system"] == system]
@@ -295,6 +299,36 @@ def bench_quality(config: QualityConfig, out_dir: str | Path, *, on_event: Event
     return QualityBench(config=vars(config), runs=slim, means=means, paired=paired)
 
 
+def cpu_groups(jobs: int) -> list[list[int] | None]:
+    """The CPUs each of `jobs` runs at once is pinned to: this process's CPUs in equal shares
+    (the remainder unused); [None] for one run at a time, which keeps what it inherits."""
+    if jobs == 1:
+        return [None]
+    mine = sorted(os.sched_getaffinity(0))
+    if jobs > len(mine):
+        raise XformerError(f"--jobs {jobs}: expected at most {len(mine)}, the CPUs this process may use "
+                           "(each run needs one of its own)")
+    share = len(mine) // jobs
+    return [mine[i * share:(i + 1) * share] for i in range(jobs)]
+
+
+def _pin_machine(out_dir: Path, config: QualityConfig) -> None:
+    """Record the machine of the folder's first call, and refuse another: one side-by-side is
+    measured on one machine, with one way of sharing it."""
+    here = {"cpu": cpu_name(), "cpus": len(os.sched_getaffinity(0)), "torch": torch.__version__,
+            "device": config.device, "jobs": config.jobs}
+    pinned = out_dir / "machine.json"
+    if not pinned.is_file():
+        atomic_write_text(pinned, json.dumps(here, indent=2))
+        return
+    there = json.loads(pinned.read_text())
+    differs = [f"{key} {there.get(key)!r} there, {value!r} here" for key, value in here.items()
+               if there.get(key) != value]
+    if differs:
+        raise RunError(f"{pinned}: this benchmark's runs were measured with another machine or setting "
+                       f"({'; '.join(differs)}); measure this one into another --out")
+
+
 def _lines(path: Path) -> list[str]:
     return path.read_text(encoding="utf-8").split("\n")[:-1]
 
@@ -305,49 +339,85 @@ def _recorded(out_dir: Path, system: str, seed: int, what: str) -> list[str]:
     return _lines(out_dir / record[what])
 
 
-def _train_in_process(system: str, config: QualityConfig, seed: int, folder: Path, emit: Event) -> None:
-    """`python -m xformer.bench.quality SYSTEM ...` in a fresh interpreter (its own threads, allocator
-    state, clock), ticking the bar by the time it has had; its stderr's last line on failure."""
+@dataclass
+class _Flight:
+    """A run in flight: its process, what it is, its CPUs and its stderr file."""
+
+    process: subprocess.Popen
+    system: str
+    seed: int
+    folder: Path
+    cpus: list[int] | None
+    log: object
+    began: float = field(default_factory=time.perf_counter)
+
+
+def _run_all(waiting: list[tuple[str, int, Path]], config: QualityConfig, groups: list, emit: Event) -> None:
+    """Each waiting run in a fresh interpreter (its own threads, allocator state, clock), as many
+    at once as there are CPU groups, the bar moved by the time each has had. A run that fails
+    lets the others in flight finish, starts no more, and is reported by its stderr's last line."""
+    waiting, free, flying, failed = list(waiting), list(groups), [], None
+    while waiting or flying:
+        while waiting and free and failed is None:
+            flying.append(_start(*waiting.pop(0), config, free.pop(0)))
+            emit("training", {"name": ", ".join(f.folder.name for f in flying)})
+        time.sleep(1.0)
+        now = time.perf_counter()
+        emit("tick", {"fraction": sum(min(1.0, (now - f.began) / (config.minutes * 60)) for f in flying)})
+        for flight in [f for f in flying if f.process.poll() is not None]:
+            flying.remove(flight)
+            free.append(flight.cpus)
+            flight.log.close()
+            if flight.process.returncode != 0:
+                log = Path(flight.log.name)
+                lines = [x for x in log.read_text().splitlines() if x.strip()]
+                failed = failed or RunError(f"{flight.system} (seed {flight.seed}) stopped: "
+                                            f"{lines[-1] if lines else flight.process.returncode}; see {log}")
+                continue
+            emit("trained", json.loads((flight.folder / "quality.json").read_text()))
+            if flying:
+                emit("training", {"name": ", ".join(f.folder.name for f in flying)})
+    if failed is not None:
+        raise failed
+
+
+def _start(system: str, seed: int, folder: Path, config: QualityConfig, cpus: list[int] | None) -> _Flight:
+    """`python -m xformer.bench.quality SYSTEM FIELDS`: trains (unless train.json is there), then
+    chooses the length penalty on validation and scores test; its stderr to folder's .log."""
     command = [sys.executable, "-m", "xformer.bench.quality", system, json.dumps(
         {"recipe": str(config.recipe), "sets": config.sets, "seed": seed, "minutes": config.minutes,
-         "device": config.device, "out": str(folder)})]
-    log = folder.with_name(folder.name + ".log")
-    began = time.perf_counter()
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=os.environ.copy())
-        while True:
-            try:
-                process.wait(timeout=1.0)
-                break
-            except subprocess.TimeoutExpired:
-                emit("tick", {"fraction": min(1.0, (time.perf_counter() - began) / (config.minutes * 60))})
-    if process.returncode != 0:
-        lines = [x for x in log.read_text().splitlines() if x.strip()]
-        raise RunError(f"{system} (seed {seed}) stopped: {lines[-1] if lines else process.returncode}; see {log}")
+         "device": config.device, "out": str(folder), "lenpens": config.lenpens, "cpus": cpus})]
+    env = os.environ.copy()
+    if cpus is not None:  # read by torch's thread pools as the interpreter starts
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(len(cpus))
+    log = open(folder.with_name(folder.name + ".log"), "a")  # noqa: SIM115 -- closed by _run_all
+    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
+    return _Flight(process, system, seed, folder, cpus, log)
 
 
-def _select_and_score(system: str, recipe, folder: Path, config: QualityConfig) -> None:
+def _select_and_score(system: str, recipe, folder: Path, lenpens: list[float], device: str) -> None:
     """Length penalty chosen on validation (beam eval.beam, the best checkpoint), then test once;
     writes folder/quality.json, folder/test.hyp and folder/test.ref."""
     valid, test = recipe.data.valid_split, recipe.data.test_split
     if system == "xformer":
         def score(split, lenpen):
-            result = evaluate_run(folder, split=split, lenpen=lenpen, checkpoint="best", device=config.device)
+            result = evaluate_run(folder, split=split, lenpen=lenpen, checkpoint="best", device=device)
             return {"bleu": result.bleu, "chrf": result.chrf, "hypotheses": _lines(Path(result.hypotheses))}
     else:
         def score(split, lenpen):
-            return score_marian(recipe, folder, split, lenpen=lenpen, device=config.device)
+            return score_marian(recipe, folder, split, lenpen=lenpen, device=device)
     trained = json.loads((folder / "train.json").read_text())
     steps, seconds, best = trained["steps"], trained["train_seconds"], trained["best"]
     epochs, precision = trained["epochs"], trained["precision"]
-    on_valid = {lenpen: score(valid, lenpen)["bleu"] for lenpen in config.lenpens}
+    on_valid = {lenpen: score(valid, lenpen)["bleu"] for lenpen in lenpens}
     lenpen = max(on_valid, key=lambda k: (on_valid[k], -abs(k - 1.0)))  # a tie goes to the plainer penalty
     tested = score(test, lenpen)
     refs = paired_set(recipe, EvalRequest(split=test))  # the references, as every paired test reads them
     atomic_write_text(folder / "test.hyp", "".join(h + "\n" for h in tested["hypotheses"]))
     atomic_write_text(folder / "test.ref", "".join(r + "\n" for r in refs))
     record = {"system": system, "seed": recipe.train.seed, "steps": steps, "epochs": epochs,
-              "train_seconds": seconds, "precision": precision, "best_step": best["step"],
+              "train_seconds": seconds, "precision": precision, "cpu": cpu_name(),
+              "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0)), "best_step": best["step"],
               "valid_bleu": best.get("bleu"), "valid_beam_bleu": {f"{k:g}": v for k, v in on_valid.items()},
               "lenpen": lenpen,
               "test_bleu": tested["bleu"], "test_chrf": tested["chrf"],
@@ -356,17 +426,22 @@ def _select_and_score(system: str, recipe, folder: Path, config: QualityConfig) 
 
 
 def _main(system: str, fields: dict) -> None:
-    recipe = load_recipe(fields["recipe"], [*fields["sets"], f"train.seed={fields['seed']}",
-                                            f"train.max_time={fields['minutes']}"])
+    if fields.get("cpus"):
+        os.sched_setaffinity(0, fields["cpus"])
+        torch.set_num_threads(len(fields["cpus"]))
+    sets = [*fields["sets"], f"train.seed={fields['seed']}", f"train.max_time={fields['minutes']}"]
+    recipe = load_recipe(fields["recipe"], sets)
     out = Path(fields["out"])
-    if system == "xformer":
-        run(recipe, out, device=fields["device"], recipe_path=fields["recipe"])
-        return
-    if getattr(recipe.data, "sampling_alpha", 0.0):  # the HF peer as it was run: one segmentation
-        recipe = load_recipe(fields["recipe"], [*fields["sets"], f"train.seed={fields['seed']}",
-                                                f"train.max_time={fields['minutes']}", "data.sampling_alpha=0.0"])
-    train_marian(recipe, out, schedule="wsd" if system == "marian_wsd" else "inverse_sqrt",
-                 minutes=fields["minutes"], device=fields["device"])
+    if not (out / "train.json").is_file():
+        if system == "xformer":
+            run(recipe, out, device=fields["device"], recipe_path=fields["recipe"])
+        else:
+            peer = recipe
+            if getattr(recipe.data, "sampling_alpha", 0.0):  # the HF peer as it was run: one segmentation
+                peer = load_recipe(fields["recipe"], [*sets, "data.sampling_alpha=0.0"])
+            train_marian(peer, out, schedule="wsd" if system == "marian_wsd" else "inverse_sqrt",
+                         minutes=fields["minutes"], device=fields["device"])
+    _select_and_score(system, recipe, out, fields["lenpens"], fields["device"])
 
 
 if __name__ == "__main__":  # python -m xformer.bench.quality SYSTEM FIELDS_JSON
