@@ -30,8 +30,11 @@ def test_the_gpu_claims_subset_trains_scores_and_judges_on_a_cpu(corpus, tmp_pat
     assert done.returncode == 0, done.stderr[-3000:]
     folders = sorted(p.name for p in (out / "runs" / "qkv_sharing" / "runs").iterdir() if p.is_dir())
     assert folders == sorted(f"{c}-s{s}{b}" for c in ("separate", "shared") for s in (1, 2, 3) for b in ("", "-at2"))
-    copied = [p for p in (out / "runs" / "head_dim" / "runs").glob("dk_64-s*") if (p / "copied-from.json").is_file()]
-    assert len(copied) == 3  # the flagship cell, trained once for both specs
+    copied = sorted(p.name for p in (out / "runs" / "head_dim" / "runs").glob("dk_32-s*")
+                    if (p / "copied-from.json").is_file())
+    assert copied == [f"dk_32-s{s}{b}" for s in (1, 2, 3) for b in ("", "-at2")]  # the baseline, trained once for both
+    copy = (out / "specs" / "qkv_sharing.toml").read_text()  # the subset's recipe (the flagship) and scale
+    assert 'multi30k_de_en.toml"' in copy and "the GPU subset" in copy and copy.count("budgets = ") == 1
     text = (out / "claims.md").read_text()
     assert "[`qkv_sharing`](#qkv_sharing)" in text and "[`head_dim`](#head_dim)" in text and "[`depth`]" not in text
     record = json.loads((out / "records" / "qkv_sharing.json").read_text())
