@@ -22,6 +22,7 @@ from xformer.bench.speed import (
 from xformer.files import atomic_write_text
 from xformer.locks import FolderLock
 from xformer.results import Result
+from xformer.studies.grid import GridStopped
 from xformer_cli.common import (
     Backend,
     Command,
@@ -308,7 +309,13 @@ def quality(
                 bar.end(f"{p['system']} seed {p['seed']}: {p['steps']:,} steps ({p['epochs']:.1f} epochs, "
                         f"{p['precision']}), test BLEU {p['test_bleu']:.2f} (lenpen {p['lenpen']:g})")
 
-        result = bench_quality(config, out, on_event=on_event)
+        try:
+            result = bench_quality(config, out, on_event=on_event)
+        except (KeyboardInterrupt, GridStopped) as stop:
+            name = stop.signal if isinstance(stop, GridStopped) else "SIGINT"
+            typer.echo(f"stopped by {name}: the runs in flight stopped part way (a time budget cannot resume); "
+                       f"move their folders in {out} away and run the same command again", err=True)
+            raise typer.Exit(130 if name == "SIGINT" else 0) from None
     atomic_write_text(out / "quality.json", result.to_json())
     if as_json:
         typer.echo(result.to_json(indent=None))

@@ -134,6 +134,43 @@ def test_bench_quality_measures_one_machine_a_folder(corpus, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
+def test_a_stop_signal_stops_the_runs_in_flight_and_leaves_none_behind(corpus, tmp_path):
+    """SIGTERM to the benchmark while two runs train at once: both runs are stopped (none goes
+    on training with nothing to read it), the benchmark raises GridStopped, the stopped folders
+    are kept for the user, and the signal handlers are put back."""
+    import os
+    import signal
+
+    from xformer.studies.grid import GridStopped
+
+    if len(quality.os.sched_getaffinity(0)) < 2:
+        pytest.skip("needs 2 CPUs")
+    out = tmp_path / "q"
+    config = quality.QualityConfig(recipe=str(RECIPE), sets=tiny(corpus), systems=["xformer"], seeds=[1, 2],
+                                   minutes=0.5, lenpens=[1.0], device="cpu", jobs=2)
+    sent = []
+
+    def on_event(kind, payload):
+        if kind == "tick" and payload["fraction"] >= 0.4 and not sent:  # both runs ~6 s into their 30
+            sent.append(True)
+            os.kill(os.getpid(), signal.SIGTERM)
+
+    with pytest.raises(GridStopped) as stopped:
+        quality.bench_quality(config, out, on_event=on_event)
+    assert stopped.value.signal == "SIGTERM" and signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    still = [p for p in Path("/proc").glob("[0-9]*") if _cmdline(p).count(str(out))]
+    assert still == []  # no run outlives its benchmark
+    for seed in (1, 2):
+        assert (out / f"xformer-seed{seed}").is_dir() and not (out / f"xformer-seed{seed}" / "train.json").exists()
+
+
+def _cmdline(proc: Path) -> str:
+    try:
+        return (proc / "cmdline").read_bytes().decode(errors="replace")
+    except OSError:  # a process that ended while we looked
+        return ""
+
+
 @pytest.mark.slow
 def test_two_runs_at_once_each_train_on_their_own_cpus(corpus, tmp_path):
     """--jobs 2: xformer and the peer train side by side, each pinned to its own half of the

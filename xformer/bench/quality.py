@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import statistics
 import subprocess
 import sys
@@ -55,11 +56,12 @@ from xformer.files import atomic_write_text
 from xformer.metrics import translation_scores
 from xformer.results import Result
 from xformer.significance import paired_bleu
+from xformer.studies.grid import stop_if_asked
 from xformer.tasks import make_task
 from xformer.tasks.base import EvalRequest
 from xformer.train import run
 from xformer.training.device import resolve_runtime
-from xformer.training.progress import append_jsonl
+from xformer.training.progress import StopSignals, append_jsonl
 from xformer.training.run_card import cpu_name
 
 SYSTEMS = ("xformer", "marian", "marian_wsd")
@@ -355,30 +357,50 @@ class _Flight:
 def _run_all(waiting: list[tuple[str, int, Path]], config: QualityConfig, groups: list, emit: Event) -> None:
     """Each waiting run in a fresh interpreter (its own threads, allocator state, clock), as many
     at once as there are CPU groups, the bar moved by the time each has had. A run that fails
-    lets the others in flight finish, starts no more, and is reported by its stderr's last line."""
+    lets the others in flight finish, starts no more, and is reported by its stderr's last line.
+    A stop signal (Ctrl-C, SIGTERM, SIGHUP) is passed on to the runs in flight, which stop as
+    `xformer train` does (their folders are then stopped runs: moved away, trained again); the
+    benchmark raises GridStopped once they have."""
     waiting, free, flying, failed = list(waiting), list(groups), [], None
-    while waiting or flying:
-        while waiting and free and failed is None:
-            flying.append(_start(*waiting.pop(0), config, free.pop(0)))
-            emit("training", {"name": ", ".join(f.folder.name for f in flying)})
-        time.sleep(1.0)
-        now = time.perf_counter()
-        emit("tick", {"fraction": sum(min(1.0, (now - f.began) / (config.minutes * 60)) for f in flying)})
-        for flight in [f for f in flying if f.process.poll() is not None]:
-            flying.remove(flight)
-            free.append(flight.cpus)
-            flight.log.close()
-            if flight.process.returncode != 0:
-                log = Path(flight.log.name)
-                lines = [x for x in log.read_text().splitlines() if x.strip()]
-                failed = failed or RunError(f"{flight.system} (seed {flight.seed}) stopped: "
-                                            f"{lines[-1] if lines else flight.process.returncode}; see {log}")
-                continue
-            emit("trained", json.loads((flight.folder / "quality.json").read_text()))
-            if flying:
-                emit("training", {"name": ", ".join(f.folder.name for f in flying)})
+    with StopSignals() as stops:
+        try:
+            while waiting or flying:
+                while waiting and free and failed is None and not stops.received:
+                    flying.append(_start(*waiting.pop(0), config, free.pop(0)))
+                    emit("training", {"name": ", ".join(f.folder.name for f in flying)})
+                time.sleep(1.0)
+                if stops.received:
+                    _stop(flying)
+                    stop_if_asked(stops)
+                now = time.perf_counter()
+                emit("tick", {"fraction": sum(min(1.0, (now - f.began) / (config.minutes * 60)) for f in flying)})
+                for flight in [f for f in flying if f.process.poll() is not None]:
+                    flying.remove(flight)
+                    free.append(flight.cpus)
+                    flight.log.close()
+                    if flight.process.returncode != 0:
+                        log = Path(flight.log.name)
+                        lines = [x for x in log.read_text().splitlines() if x.strip()]
+                        failed = failed or RunError(f"{flight.system} (seed {flight.seed}) stopped: "
+                                                    f"{lines[-1] if lines else flight.process.returncode}; see {log}")
+                        continue
+                    emit("trained", json.loads((flight.folder / "quality.json").read_text()))
+                    if flying:
+                        emit("training", {"name": ", ".join(f.folder.name for f in flying)})
+        finally:
+            _stop(flying)  # never leave a run training with no benchmark to read it
     if failed is not None:
         raise failed
+
+
+def _stop(flying: list[_Flight]) -> None:
+    for flight in flying:
+        if flight.process.poll() is None:
+            flight.process.send_signal(signal.SIGTERM)
+    for flight in flying:
+        flight.process.wait()
+        flight.log.close()
+    flying.clear()
 
 
 def _start(system: str, seed: int, folder: Path, config: QualityConfig, cpus: list[int] | None) -> _Flight:
