@@ -12,8 +12,9 @@
 # records of its finished runs (no checkpoints: xformer.studies.archive) are put back from
 # ARCHIVE/<spec> before it (when archived from the spec and recipe as they are now) and kept
 # there after it, so a spec stopped part way on one machine resumes on another without training
-# again what those records hold: commit ARCHIVE/<spec> (about 0.1 MB a run) from the frozen copy
-# when a machine may go; archive a spec still running with
+# again what those records hold (a measured spec's archive is put back too, where its runs are
+# missing, for the specs after it that copy its cells): commit ARCHIVE/<spec> (about 0.1 MB a
+# run) from the frozen copy when a machine may go; archive a spec still running with
 # `python -m xformer.studies.archive_spec save SPEC RUNS/<spec> ARCHIVE/<spec>`. Run it from a frozen copy of the
 # code (git archive HEAD), not the tree being edited, and copy the records back
 # (docs/claims/<spec>.json) to commit them; rerunning the same command resumes a stopped
@@ -49,6 +50,12 @@ for spec in $specs; do
 sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
       "${spec_dir}/${spec}.toml" "${records}/${spec}.json"; then
     echo "${spec}: measured already (${records}/${spec}.json)"
+    # its archived runs (records, no weights) back under RUNS where missing, so a later spec's
+    # --reuse copies a cell they share instead of training it again (a fresh machine)
+    if [[ ! -d "$runs/${spec}" && -d "${archive}/${spec}" ]]; then
+      python -m xformer.studies.archive_spec restore "${spec_dir}/${spec}.toml" "${archive}/${spec}" "$runs/${spec}" \
+        || true
+    fi
     continue
   fi
   start=$(date +%s)

@@ -71,7 +71,12 @@ def test_the_ledger_chain_resumes_from_committed_records_without_retraining(tmp_
     assert log.startswith("missing FAILED (exit 2)")  # a spec that fails is logged, and the chain goes on
     env["SPECS"] = "depth"
     assert "depth: measured already" in chain(tmp_path / "fresh")  # no run folders: the record is enough
-    assert not (tmp_path / "fresh" / "depth").exists() and json.loads(record.read_text()) == measured
+    assert json.loads(record.read_text()) == measured
+    # nothing trained; the archived records are back for later specs to copy (no weights)
+    restored = tmp_path / "fresh" / "depth" / "runs"
+    assert sorted(p.name for p in restored.iterdir() if p.is_dir()) == sorted(
+        p.name for p in (tmp_path / "archive" / "depth").iterdir() if p.is_dir())
+    assert not list(restored.rglob("*.safetensors"))
     (specs / "depth.toml").write_text(SPEC.replace("seeds = [1, 2, 3]", "seeds = [1, 2, 4]"))
     assert "measured already" not in chain(tmp_path / "fresh")
     assert json.loads(record.read_text())["results"]["seeds"] == [1, 2, 4]
