@@ -117,6 +117,26 @@ def test_runs_at_once_share_the_cpus_equally_and_never_overlap(monkeypatch):
         cpu_groups(6)
 
 
+def test_xformer_and_the_first_peer_train_seed_by_seed_and_the_other_peers_after(corpus, tmp_path, monkeypatch):
+    """The order runs start in: with two at once, xformer's run of each seed trains beside the
+    marian run it is tested against; a run already scored is not started again."""
+    started = []
+
+    def record(waiting, *rest):
+        started.extend((system, seed) for system, seed, _ in waiting)
+        raise KeyboardInterrupt  # stop before anything trains
+
+    monkeypatch.setattr(quality, "_run_all", record)
+    out = tmp_path / "q"
+    (out / "marian-seed2").mkdir(parents=True)
+    (out / "marian-seed2" / "quality.json").write_text("{}")
+    config = quality.QualityConfig(recipe=str(RECIPE), sets=tiny(corpus), seeds=[1, 2, 3], device="cpu")
+    with pytest.raises(KeyboardInterrupt):
+        quality.bench_quality(config, out)
+    assert started == [("xformer", 1), ("marian", 1), ("xformer", 2), ("xformer", 3), ("marian", 3),
+                       ("marian_wsd", 1), ("marian_wsd", 2), ("marian_wsd", 3)]
+
+
 def test_bench_quality_measures_one_machine_a_folder(corpus, tmp_path):
     """A folder's runs come from one machine and one way of sharing it: a later call that
     differs (another CPU, another --jobs) is refused before it trains, naming what differs."""

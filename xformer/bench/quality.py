@@ -1,9 +1,10 @@
 """Translation quality against HF Marian at the same time budget (`xformer bench quality`).
 
 Each system trains a recipe (the flagship by default) for `minutes` of wall time in a process of
-its own, seed after seed, then chooses and scores in that process; one run at a time, or with
-`jobs` > 1 that many at once, each pinned to its own share of the CPUs with as many threads
-(xformer's run of a seed beside a peer's: the pairs share the machine alike):
+its own, then chooses and scores in that process; seed by seed xformer and the first peer, then
+the other peers; one run at a time, or with `jobs` > 1 that many at once, each pinned to its own
+share of the CPUs with as many threads (so with 2, xformer's run of each seed trains beside the
+first peer's, and the two main rows share the machine alike):
 
     xformer     `xformer train` of the recipe as it stands
     marian      HF transformers' MarianMTModel of the recipe's size from a MarianConfig (nothing
@@ -107,7 +108,11 @@ def bench_quality(config: QualityConfig, out_dir: str | Path, *, on_event: Event
                            "it again")
     out_dir.mkdir(parents=True, exist_ok=True)
     _pin_machine(out_dir, config)
-    waiting = [(system, seed, folder) for system, seed, folder in folders if not (folder / "quality.json").is_file()]
+    # seed by seed, the first two systems (xformer and a peer) side by side; the other peers after
+    order = [(s, seed) for seed in config.seeds for s in config.systems[:2]] + \
+        [(s, seed) for s in config.systems[2:] for seed in config.seeds]
+    waiting = [(s, seed, out_dir / f"{s}-seed{seed}") for s, seed in order
+               if not (out_dir / f"{s}-seed{seed}" / "quality.json").is_file()]
     emit("plan", {"runs": len(folders), "done": len(folders) - len(waiting)})
     for _, _, folder in folders:
         if (folder / "quality.json").is_file():
