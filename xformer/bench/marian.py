@@ -156,8 +156,9 @@ def train_marian(recipe, out_dir: Path, *, schedule: str = "inverse_sqrt", minut
                 break
         epoch += 1
     per_epoch = len(task.train_batches)
-    record = {"system": "marian_wsd" if schedule == "wsd" else "marian", "steps": step, "epochs": step / per_epoch,
-              "train_seconds": clock() - started, "precision": rt.precision, "best": best, "plan": plan,
+    record = {"system": "marian_wsd" if schedule == "wsd" else "marian", "stop_reason": "max_time", "steps": step,
+              "epochs": step / per_epoch, "train_seconds": clock() - started, "precision": rt.precision, "best": best,
+              "plan": plan,
               "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())}
     atomic_write_text(out_dir / "train.json", json.dumps(record, indent=2))
     return record

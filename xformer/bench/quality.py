@@ -26,8 +26,8 @@ Fair both ways, by construction rather than by care:
   checkpoint by cased greedy sacreBLEU on validation; then one length penalty chosen on
   validation from the same grid for both, beam eval.beam; test scored once, with that checkpoint
   and penalty. Paired bootstrap (sacreBLEU) of xformer against each peer, seed by seed;
-- the same machine: the output folder keeps the CPU, cores, torch and jobs of its first call
-  (machine.json), and a later call on another machine, or with other jobs, is refused rather
+- the same machine: the output folder keeps the CPU, CPU count, torch, device and jobs of its
+  first call (machine.json), and a later call on another machine, or with other jobs, is refused rather
   than mixed into one side-by-side.
 """
 
@@ -58,6 +58,7 @@ from xformer.tasks.base import EvalRequest
 from xformer.train import run
 from xformer.training.progress import StopSignals
 from xformer.training.run_card import cpu_name
+from xformer.training.run_folder import run_state
 
 SYSTEMS = ("xformer", "marian", "marian_wsd")
 LENPENS = (1.0, 1.6, 2.2)
@@ -167,10 +168,10 @@ def _pin_machine(out_dir: Path, config: QualityConfig) -> None:
 
 
 def _ended(folder: Path) -> bool:
-    """A run that trained its whole budget: its train.json (written last, by both systems) does
-    not say it was interrupted (a stopped `xformer train` writes one that does)."""
-    summary = folder / "train.json"
-    return summary.is_file() and json.loads(summary.read_text()).get("stop_reason") != "interrupted"
+    """A run that trained its whole budget, by the rule every driver of runs uses (run_state):
+    a train.json (written last, by both systems) that does not say it was interrupted (a stopped
+    `xformer train` writes one that does)."""
+    return run_state(folder) == "trained"
 
 
 def _lines(path: Path) -> list[str]:
