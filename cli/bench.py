@@ -324,7 +324,7 @@ def quality(
 
 
 def quality_table(result: QualityBench) -> Table:
-    minutes, jobs = result.config["minutes"], result.config.get("jobs", 1)
+    minutes, jobs = result.config["minutes"], result.config["jobs"]
     precisions = ", ".join(sorted({f"{r['system']} {r['precision']}" for r in result.runs}))
     threads = "/".join(str(t) for t in sorted({r.get("threads") for r in result.runs if r.get("threads")}))
     machine = ", ".join(sorted({r["cpu"] for r in result.runs if r.get("cpu")}))

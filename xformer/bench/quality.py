@@ -247,7 +247,7 @@ def _stop(flying: list[_Flight]) -> None:
 
 
 def _start(system: str, seed: int, folder: Path, config: QualityConfig, cpus: list[int] | None) -> _Flight:
-    """`python -m xformer.bench.quality SYSTEM FIELDS`: trains (unless train.json is there), then
+    """`python -m xformer.bench.quality SYSTEM FIELDS`: trains (unless the run ended already), then
     chooses the length penalty on validation and scores test; its stderr to folder's .log."""
     command = [sys.executable, "-m", "xformer.bench.quality", system, json.dumps(
         {"recipe": str(config.recipe), "sets": config.sets, "seed": seed, "minutes": config.minutes,
