@@ -18,7 +18,8 @@ from xformer_cli.main import app
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "translation" / "multi30k_de_en.toml"
 # big batches: the 600 training pairs of the corpus fixture are a few steps an epoch
-TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
+TINY = ["train.schedule=inverse_sqrt", "train.regularisation=recipe",  # the mechanics tested, not the recipe's choice
+        "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
         "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=4096", "train.warmup_steps=4",
         "train.lr=3e-3", "train.log_every=1", "train.valid_every=1000", "train.average_last=1",
         "train.max_time=0.0", "eval.beam=2", "eval.batch_sentences=16", "train.best_metric=loss"]

@@ -19,7 +19,8 @@ from tests.test_experiment import SPEC
 from xformer.training.checkpoint import read_checkpoint
 from xformer.training.progress import truncate_metrics
 
-TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
+TINY = ["train.schedule=inverse_sqrt", "train.regularisation=recipe",  # the mechanics tested, not the recipe's choice
+        "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
         "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=512", "train.warmup_steps=10",
         "train.lr=3e-3", "model.dropout=0.3", 'train.precision="fp32"', "eval.beam=2", "eval.batch_sentences=16",
         # log lines that straddle checkpoints (valid_every is no multiple of log_every); none by the clock

@@ -16,7 +16,8 @@ from xformer.config.loading import load_recipe
 from xformer.errors import RunError
 from xformer.training.trackers import flat_params, requested, scalars
 
-TINY = ["model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
+TINY = ["train.schedule=inverse_sqrt", "train.regularisation=recipe",  # the mechanics tested, not the recipe's choice
+        "model.d_model=32", "model.n_heads=2", "model.d_ff=64", "model.n_encoder_layers=1",
         "model.n_decoder_layers=1", "data.vocab_size=300", "data.max_tokens=512", "train.warmup_steps=10",
         "train.lr=3e-3", 'train.precision="fp32"', "eval.beam=2", "eval.batch_sentences=16",
         "train.log_every=5", "train.valid_every=10", "train.average_last=0", "train.log_seconds=0",
