@@ -59,33 +59,43 @@ def judge(check: Check, results: dict, reference: float = 0.0) -> Outcome:
     scale's `reference` score, a check across lengths first asks that the cells it reads learned
     the task at the training length (unlearned)."""
     than = check.cell if check.than_init else check.than or results["baseline"]
-    seeds = results["seeds"]
     if reference and (check.length or check.than_length) and (why := unlearned((check.cell, than), results, reference)):
         return Outcome(check, "inconclusive", why)
-    # the cell and what it is compared with, seed by seed (itself at another length, or at
-    # initialisation, it may be)
+    paired = _paired(check, results, than)
+    if isinstance(paired, str):
+        return Outcome(check, "inconclusive", paired)
+    mine, theirs = paired
+    diffs = [m - t for m, t in zip(mine, theirs, strict=True)]
+    base = statistics.fmean(theirs)
+    mean, half = statistics.fmean(diffs), half_width(diffs)
+    said = _said(check, results, than, diffs, base, mean, half)
+    verdict, why = _verdict(check, than, base, mean, mean - half, mean + half)
+    return Outcome(check, verdict, f"{said}; {_in_words(check, why)}")
+
+
+def _paired(check: Check, results: dict, than: str) -> tuple[list, list] | str:
+    """The check's cell and what it is compared with (itself at another length, or at
+    initialisation, it may be), seed by seed; or why they cannot be compared."""
     mine, theirs = (_scores(results, check.metric, length) for length in (check.length, check.than_length))
     if check.than_init:
         theirs = {(r["cell"], r["seed"]): r.get(METRIC_KEYS[check.metric] + "_init") for r in results["runs"]}
-    mine, theirs = [mine[(check.cell, s)] for s in seeds], [theirs[(than, s)] for s in seeds]
+    mine, theirs = [mine[(check.cell, s)] for s in results["seeds"]], [theirs[(than, s)] for s in results["seeds"]]
     if None in mine or None in theirs:
         how = "measured" if check.metric in SIZES else "timed"
-        return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was not {how} in these runs")
+        return f"{check.metric.replace('_', ' ')} was not {how} in these runs"
     if check.metric in OTHERS_KEYS:
         crowded = [f"{r['cell']}-s{r['seed']} ({r[OTHERS_KEYS[check.metric]]:.2f} cores)" for r in results["runs"]
                    if r["cell"] in (check.cell, than) and busy(r.get(OTHERS_KEYS[check.metric]))]
         if crowded:
-            return Outcome(check, "inconclusive", f"{check.metric.replace('_', ' ')} was timed while other processes "
-                                                  f"took more than {BUSY_OVER:g} CPU cores: {', '.join(crowded)}; "
-                                                  "rerun those runs alone")
-    diffs = [m - t for m, t in zip(mine, theirs, strict=True)]
-    base = statistics.fmean(theirs)
-    margin = check.points or base * check.percent / 100
-    upper = (base * check.up_to / 100 if check.percent else check.up_to) if check.up_to else math.inf
-    claimed = claimed_gap(check)
+            return (f"{check.metric.replace('_', ' ')} was timed while other processes took more than "
+                    f"{BUSY_OVER:g} CPU cores: {', '.join(crowded)}; rerun those runs alone")
+    return mine, theirs
+
+
+def _said(check: Check, results: dict, than: str, diffs: list[float], base: float, mean: float, half: float) -> str:
+    """What was measured, in words: the differences per seed, their mean and interval, and the
+    per-seed significance tests where the check reads test scores against the baseline."""
     timed = check.metric != "test"
-    mean, half = statistics.fmean(diffs), half_width(diffs)
-    low, high = mean - half, mean + half
     at_lengths = bool(check.length or check.than_length)
     p_values = _p_values(results, check.cell) if than == results["baseline"] and not timed and not at_lengths \
         else None
@@ -99,49 +109,52 @@ def judge(check: Check, results: dict, reference: float = 0.0) -> Outcome:
                      if r["cell"] in (check.cell, than) and int(n) in (check.length, check.than_length)})
     if cannot:  # no positions that far: scored as no correct answer
         beside += f"; cannot extrapolate (scored 0): {', '.join(cannot)}"
-    said = (f"{named}{'' if not timed else ' ' + METRIC_KEYS[check.metric]} per seed: {shown}; "
-            f"mean {mean:+.2f}, 95% t-interval [{low:+.2f}, {high:+.2f}] over {len(diffs)} seeds (the smallest "
-            f"difference they can detect: {half:.2f}){beside}")
+    return (f"{named}{'' if not timed else ' ' + METRIC_KEYS[check.metric]} per seed: {shown}; "
+            f"mean {mean:+.2f}, 95% t-interval [{mean - half:+.2f}, {mean + half:+.2f}] over {len(diffs)} seeds (the "
+            f"smallest difference they can detect: {half:.2f}){beside}")
 
-    def out(verdict, why):
-        return Outcome(check, verdict, f"{said}; {_in_words(check, why)}")
 
+def _verdict(check: Check, than: str, base: float, mean: float, low: float, high: float) -> tuple[str, str]:
+    """The verdict of the check's expectation on the interval [low, high] around `mean`, and why."""
+    margin = check.points or base * check.percent / 100
+    upper = (base * check.up_to / 100 if check.percent else check.up_to) if check.up_to else math.inf
+    claimed = claimed_gap(check)
     if check.expect in ("better", "worse"):
         sign = 1 if check.expect == "better" else -1
         toward, near, far = sign * mean, min(sign * low, sign * high), max(sign * low, sign * high)
         other = "worse" if check.expect == "better" else "better"
         if near > 0 and margin <= toward <= upper:
             if not margin:
-                return out("supported", f"{check.expect}: the interval excludes 0")
+                return "supported", f"{check.expect}: the interval excludes 0"
             measured = f"{100 * toward / base:.1f}%" if check.percent else f"{toward:.2f}"
-            return out("supported", f"{check.expect}: the interval excludes 0, the mean {measured} (claimed {claimed})")
+            return "supported", f"{check.expect}: the interval excludes 0, the mean {measured} (claimed {claimed})"
         if near > upper:
-            return out("contradicted", f"{check.expect}, but the whole interval beyond the claimed {claimed}")
+            return "contradicted", f"{check.expect}, but the whole interval beyond the claimed {claimed}"
         if far < 0:
-            return out("contradicted", f"{other}, not {check.expect}: the whole interval on the other side of 0")
+            return "contradicted", f"{other}, not {check.expect}: the whole interval on the other side of 0"
         if margin and far < margin:
-            return out("contradicted", f"the whole interval short of the claimed {claimed}")
-        return out("inconclusive", "the interval holds 0 or the claimed margin: the seeds cannot tell")
+            return "contradicted", f"the whole interval short of the claimed {claimed}"
+        return "inconclusive", "the interval holds 0 or the claimed margin: the seeds cannot tell"
     if check.expect == "not_better":
         if low > 0:
-            return out("contradicted", "better: the interval excludes 0")
+            return "contradicted", "better: the interval excludes 0"
         if mean <= 0:
-            return out("supported", "not better on average, and the interval holds 0 or less")
-        return out("inconclusive", "better on average, but the interval holds 0")
+            return "supported", "not better on average, and the interval holds 0 or less"
+        return "inconclusive", "better on average, but the interval holds 0"
     if check.expect == "not_worse":
         if low >= -margin:
             below = f"{claimed} below " if margin else ""
-            return out("supported", f"the whole interval no worse than {below}{than}")
+            return "supported", f"the whole interval no worse than {below}{than}"
         if high < -margin:
-            return out("contradicted", f"the whole interval more than {claimed} below {than}" if margin
-                       else f"the whole interval below {than}")
-        return out("inconclusive", "the interval reaches below the tolerated loss: the seeds cannot tell")
+            return "contradicted", (f"the whole interval more than {claimed} below {than}" if margin
+                                    else f"the whole interval below {than}")
+        return "inconclusive", "the interval reaches below the tolerated loss: the seeds cannot tell"
     # same, within a tolerance
     if -margin <= low and high <= margin:
-        return out("supported", f"the whole interval within {claimed}")
+        return "supported", f"the whole interval within {claimed}"
     if high < -margin or low > margin:
-        return out("contradicted", f"the whole interval more than {claimed} away")
-    return out("inconclusive", f"the interval reaches past {claimed}: the seeds cannot tell")
+        return "contradicted", f"the whole interval more than {claimed} away"
+    return "inconclusive", f"the interval reaches past {claimed}: the seeds cannot tell"
 
 
 CONVERGED_GAIN = 1.0  # %: a converged baseline gained less than this over the last doubling of its steps
