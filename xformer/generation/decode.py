@@ -154,48 +154,13 @@ def beam_search(
             logits = model.decode(prev, memory, memory_pad, cache)[:, -1].float()  # (n*width, V)
             if stats is not None:
                 stats.saw(cache)
-            log_z = logits.logsumexp(dim=-1, keepdim=True)  # log p = logit - log_z, never renormalised
-            eos_lprob = logits[:, eos_id] - log_z[:, 0]
-            _ban_(logits, step, min_len, bos_id, eos_id, pad_id)
-            # A sentence's best 2k candidates lie among each of its rows' best 2k tokens, so
-            # log p is formed for those only, not for all k*V.
-            c = min(2 * k, logits.size(-1))
-            row_lprobs, row_tokens = logits.topk(c, dim=-1)  # (n*k, c)
-            row_lprobs = row_lprobs - log_z
             at_max = [max_len[s] <= step for s in active]
-            if any(at_max):  # EOS only, clamped so that a hypothesis ends even if p(EOS) = 0
-                forced = torch.tensor(at_max, device=device).repeat_interleave(width)[:, None]  # (n*width, 1)
-                only_eos = torch.full_like(row_lprobs, -math.inf)
-                only_eos[:, 0] = eos_lprob.clamp(min=torch.finfo(row_lprobs.dtype).min)
-                row_lprobs = torch.where(forced, only_eos, row_lprobs)
-                row_tokens = torch.where(forced, eos_id, row_tokens)
-            candidates = (scores[:, :, None] + row_lprobs.view(n, width, c)).view(n, width * c)
-            flat_tokens = row_tokens.view(n, width * c)
-            if width * c < 2 * k:  # fewer candidates than 2k (step 0, a small vocabulary): -inf
-                fill = 2 * k - width * c  # fillers, never chosen over a real candidate
-                candidates = torch.cat([candidates, candidates.new_full((n, fill), -math.inf)], dim=1)
-                flat_tokens = torch.cat([flat_tokens, flat_tokens.new_full((n, fill), pad_id)], dim=1)
-            top_scores, top = candidates.topk(2 * k, dim=1)  # (n, 2k), best first
-            top_beam, top_token = (top // c).clamp(max=width - 1), flat_tokens.gather(1, top)
+            top_scores, top_beam, top_token = _candidates(logits, scores, at_max, step, k, min_len=min_len,
+                                                          bos_id=bos_id, eos_id=eos_id, pad_id=pad_id)
             is_eos = top_token.eq(eos_id)
+            _finish(finished, active, tokens, base, top_scores, top_beam, is_eos, k, lenpen, step)
 
-            # Finished hypotheses: EOS among the first k candidates, best first, until k.
-            ends = is_eos[:, :k] & top_scores[:, :k].isfinite()
-            if ends.any():
-                sent, col = ends.nonzero(as_tuple=True)
-                rows = base[sent, 0] + top_beam[sent, col]
-                ended = zip(sent.tolist(), tokens[rows].tolist(),
-                            (top_scores[sent, col] / (step + 1) ** lenpen).tolist(), strict=True)
-                for s, hyp, score in ended:
-                    if len(finished[active[s]]) < k:
-                        finished[active[s]].append((score, hyp))
-
-            # The next beam: the first k candidates that are not EOS (EOS sorts after them all).
-            order = is_eos.long() * top.size(1) + torch.arange(top.size(1), device=device)
-            live = order.topk(k, dim=1, largest=False).indices  # (n, k), ascending
-            scores = top_scores.gather(1, live)
-            rows = (base + top_beam.gather(1, live)).view(-1)  # (n*k,) cache rows to carry on
-            token = top_token.gather(1, live).view(-1)
+            scores, rows, token = _next_beam(top_scores, top_beam, top_token, is_eos, base, k)
 
             going = [not done and len(finished[s]) < k for s, done in zip(active, at_max, strict=True)]
             if not any(going):
@@ -219,6 +184,63 @@ def beam_search(
             prev = token[:, None]
 
         return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in finished]
+
+
+def _candidates(logits: Tensor, scores: Tensor, at_max: list[bool], step: int, k: int, *, min_len: int,
+                bos_id: int, eos_id: int, pad_id: int) -> tuple[Tensor, Tensor, Tensor]:
+    """A step's best 2k candidates of each of the n sentences, best first, from `logits` (n*width,
+    V) and the beam scores (n, width): their scores, rows within the sentence and tokens.
+    At a sentence's max_len only EOS is allowed, clamped so that a hypothesis ends even if
+    p(EOS) = 0."""
+    n, width = scores.shape
+    log_z = logits.logsumexp(dim=-1, keepdim=True)  # log p = logit - log_z, never renormalised
+    eos_lprob = logits[:, eos_id] - log_z[:, 0]
+    _ban_(logits, step, min_len, bos_id, eos_id, pad_id)
+    # A sentence's best 2k candidates lie among each of its rows' best 2k tokens, so log p is
+    # formed for those only, not for all k*V.
+    c = min(2 * k, logits.size(-1))
+    row_lprobs, row_tokens = logits.topk(c, dim=-1)  # (n*width, c)
+    row_lprobs = row_lprobs - log_z
+    if any(at_max):
+        forced = torch.tensor(at_max, device=logits.device).repeat_interleave(width)[:, None]  # (n*width, 1)
+        only_eos = torch.full_like(row_lprobs, -math.inf)
+        only_eos[:, 0] = eos_lprob.clamp(min=torch.finfo(row_lprobs.dtype).min)
+        row_lprobs = torch.where(forced, only_eos, row_lprobs)
+        row_tokens = torch.where(forced, eos_id, row_tokens)
+    candidates = (scores[:, :, None] + row_lprobs.view(n, width, c)).view(n, width * c)
+    flat_tokens = row_tokens.view(n, width * c)
+    if width * c < 2 * k:  # fewer candidates than 2k (step 0, a small vocabulary): -inf
+        fill = 2 * k - width * c  # fillers, never chosen over a real candidate
+        candidates = torch.cat([candidates, candidates.new_full((n, fill), -math.inf)], dim=1)
+        flat_tokens = torch.cat([flat_tokens, flat_tokens.new_full((n, fill), pad_id)], dim=1)
+    top_scores, top = candidates.topk(2 * k, dim=1)  # (n, 2k), best first
+    return top_scores, (top // c).clamp(max=width - 1), flat_tokens.gather(1, top)
+
+
+def _next_beam(top_scores: Tensor, top_beam: Tensor, top_token: Tensor, is_eos: Tensor, base: Tensor,
+               k: int) -> tuple[Tensor, Tensor, Tensor]:
+    """The next beam: each sentence's first k candidates that are not EOS (EOS sorts after them
+    all). Their scores (n, k), the cache rows they carry on (n*k,) and their tokens (n*k,)."""
+    order = is_eos.long() * top_scores.size(1) + torch.arange(top_scores.size(1), device=top_scores.device)
+    live = order.topk(k, dim=1, largest=False).indices  # (n, k), ascending
+    return (top_scores.gather(1, live), (base + top_beam.gather(1, live)).view(-1),
+            top_token.gather(1, live).view(-1))
+
+
+def _finish(finished: list[list[tuple[float, list[int]]]], active: list[int], tokens: Tensor, base: Tensor,
+            top_scores: Tensor, top_beam: Tensor, is_eos: Tensor, k: int, lenpen: float, step: int) -> None:
+    """Finished hypotheses: EOS among a sentence's first k candidates, best first, until it has k;
+    scored by sum log p over (length + 1) ** lenpen, the length counting the EOS."""
+    ends = is_eos[:, :k] & top_scores[:, :k].isfinite()
+    if not ends.any():
+        return
+    sent, col = ends.nonzero(as_tuple=True)
+    rows = base[sent, 0] + top_beam[sent, col]
+    ended = zip(sent.tolist(), tokens[rows].tolist(), (top_scores[sent, col] / (step + 1) ** lenpen).tolist(),
+                strict=True)
+    for s, hyp, score in ended:
+        if len(finished[active[s]]) < k:
+            finished[active[s]].append((score, hyp))
 
 
 @torch.inference_mode()
