@@ -109,20 +109,7 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
         raise RunError(f"save_pruned: {save_pruned} exists and is not empty; choose a new directory")
     started = time.perf_counter()
     recipe = load_run_recipe(run_dir)
-    if recipe.model.arch != "lstm" and recipe.model.attention == "low_rank":
-        raise RunError(f"{run_dir}: model.attention = 'low_rank': its heads attend to learned mixtures of the "
-                       "tokens, not to tokens, so head roles and maps over them mean nothing; inspect-heads "
-                       "analyses models that attend to tokens")
-    if recipe.model.arch != "lstm" and recipe.model.attention == "synthesizer":
-        raise RunError(f"{run_dir}: model.attention = 'synthesizer': its self-attention heads are learned tables "
-                       "of positions that no input changes, with no queries or keys to gate or prune; "
-                       "inspect-heads analyses dot-product attention")
-    if recipe.model.arch != "lstm" and recipe.model.downsample_every and \
-            recipe.model.downsample_every < recipe.model.n_encoder_layers:
-        raise RunError(f"{run_dir}: model.downsample_every = {recipe.model.downsample_every}: the encoder's later "
-                       "layers and the cross-attention attend to pooled pairs of positions, not to tokens, so "
-                       "head roles and maps over them mean nothing; inspect-heads analyses models without "
-                       "downsampling")
+    _refuse_unanalysable(run_dir, recipe.model)
     checkpoint = checkpoint or recipe.eval.checkpoint
     subject = make_task(recipe).subject(run_dir, split=split, data=data, n_examples=config.n_examples,
                                         checkpoint=checkpoint, device=config.device)
@@ -141,26 +128,9 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
         rule = imp.least_squares(captured["contribution_cov"])
     elif ablate == "renorm":
         rule = imp.renormalised
-    emit("phase", {"name": f"{ablate}-ablation ({importance})", "total": sum(m.n_heads for m in sites.values())})
-    base, ablation = imp.ablation(subject, sites, importance, fill, rule,
-                                  on_head=lambda done, total: emit("advance", {"done": done}))
-    groups = imp.group_ablation(subject, sites, importance, fill, rule)
-    emit("phase", {"name": "gradient importance", "total": 1})
-    raw_gradient = imp.gate_gradients(subject, sites)
-    gradient = imp.normalise_per_layer(raw_gradient)
-    confidence = {site: [h["confidence"] for h in captured["heads"][site]] for site in sites}
-    flat = {name: [v for _, v in imp.flatten(values)] for name, values in
-            (("ablation", ablation), ("gradient", gradient), ("confidence", confidence))}
-    correlation = {f"{a}~{b}": imp.spearman(flat[a], flat[b])
-                   for a, b in (("ablation", "gradient"), ("ablation", "confidence"), ("gradient", "confidence"))}
-
-    heads = []
-    for site, module in sites.items():
-        for h in range(module.n_heads):
-            heads.append({"site": site, "space": site_space(site), "layer": int(site.split(".")[1]), "head": h,
-                          "kv_group": h // (module.n_heads // module.n_kv_heads),
-                          "ablation": ablation[site][h], "gradient": gradient[site][h],
-                          "gradient_raw": raw_gradient[site][h], **captured["heads"][site][h]})
+    base, ablation, groups, raw_gradient, gradient, correlation = _importance(subject, sites, captured, fill, rule,
+                                                                               config, emit)
+    heads = _head_rows(sites, captured, ablation, gradient, raw_gradient)
     report = {
         "run": str(run_dir), "kind": subject.kind, "split": split or "validation", "data": data,
         "n_examples": sum(len(b["rows"]) for b in subject.batches), "importance_metric": importance,
@@ -186,6 +156,54 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
     result = HeadsReport(**report)
     atomic_write_text(out / "heads.json", result.to_json())
     return result
+
+
+def _refuse_unanalysable(run_dir: Path, m) -> None:
+    """Models whose heads do not attend to tokens: nothing per head to read or prune."""
+    if m.arch == "lstm":
+        return
+    if m.attention == "low_rank":
+        raise RunError(f"{run_dir}: model.attention = 'low_rank': its heads attend to learned mixtures of the "
+                       "tokens, not to tokens, so head roles and maps over them mean nothing; inspect-heads "
+                       "analyses models that attend to tokens")
+    if m.attention == "synthesizer":
+        raise RunError(f"{run_dir}: model.attention = 'synthesizer': its self-attention heads are learned tables "
+                       "of positions that no input changes, with no queries or keys to gate or prune; "
+                       "inspect-heads analyses dot-product attention")
+    if m.downsample_every and m.downsample_every < m.n_encoder_layers:
+        raise RunError(f"{run_dir}: model.downsample_every = {m.downsample_every}: the encoder's later "
+                       "layers and the cross-attention attend to pooled pairs of positions, not to tokens, so "
+                       "head roles and maps over them mean nothing; inspect-heads analyses models without "
+                       "downsampling")
+
+
+def _importance(subject: Subject, sites: dict, captured: dict, fill: dict | None, rule: imp.GateRule | None,
+                config: HeadsConfig, emit: Event):
+    """Each head's importance three ways (ablation, gate gradient, attention confidence) and how
+    their rankings agree: (base metric, ablation, kv-group ablation, raw gradient, gradient
+    normalised per layer, rank correlations)."""
+    emit("phase", {"name": f"{config.ablate}-ablation ({config.importance})",
+                   "total": sum(m.n_heads for m in sites.values())})
+    base, ablation = imp.ablation(subject, sites, config.importance, fill, rule,
+                                  on_head=lambda done, total: emit("advance", {"done": done}))
+    groups = imp.group_ablation(subject, sites, config.importance, fill, rule)
+    emit("phase", {"name": "gradient importance", "total": 1})
+    raw_gradient = imp.gate_gradients(subject, sites)
+    gradient = imp.normalise_per_layer(raw_gradient)
+    confidence = {site: [h["confidence"] for h in captured["heads"][site]] for site in sites}
+    flat = {name: [v for _, v in imp.flatten(values)] for name, values in
+            (("ablation", ablation), ("gradient", gradient), ("confidence", confidence))}
+    correlation = {f"{a}~{b}": imp.spearman(flat[a], flat[b])
+                   for a, b in (("ablation", "gradient"), ("ablation", "confidence"), ("gradient", "confidence"))}
+    return base, ablation, groups, raw_gradient, gradient, correlation
+
+
+def _head_rows(sites: dict, captured: dict, ablation: dict, gradient: dict, raw_gradient: dict) -> list[dict]:
+    """One row a head: where it is, its importances and its attention statistics."""
+    return [{"site": site, "space": site_space(site), "layer": int(site.split(".")[1]), "head": h,
+             "kv_group": h // (module.n_heads // module.n_kv_heads), "ablation": ablation[site][h],
+             "gradient": gradient[site][h], "gradient_raw": raw_gradient[site][h], **captured["heads"][site][h]}
+            for site, module in sites.items() for h in range(module.n_heads)]
 
 
 def _pruning(subject: Subject, sites: dict, ranking: dict, fill: dict | None, rule: imp.GateRule | None,
