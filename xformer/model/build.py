@@ -45,66 +45,78 @@ def build_model(
                               bidirectional=cfg.bidirectional, pooling=cfg.pooling, dropout=cfg.dropout,
                               pad_id=pad_id)
 
-    def final_norm():
-        return NORMS[cfg.norm](cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else None
-
-    def positional(bidirectional: bool) -> nn.Module:
-        if cfg.positional == "learned":  # at the scale of the (possibly sqrt(D)-scaled) tokens
-            return POSITIONAL["learned"](cfg.d_model, cfg.max_positions,
-                                         std=1.0 if cfg.scale_embeddings else cfg.d_model**-0.5)
-        if cfg.positional == "rope":
-            return POSITIONAL["rope"](cfg.head_dim, cfg.max_positions)
-        if cfg.positional == "alibi":
-            return POSITIONAL["alibi"](cfg.n_heads)
-        if cfg.positional == "relative":  # T5: bidirectional buckets in the encoder, causal in the decoder
-            return POSITIONAL["relative"](cfg.n_heads, bidirectional, cfg.d_model)
-        if cfg.positional == "none":
-            return POSITIONAL["none"]()
-        return POSITIONAL[cfg.positional](cfg.d_model, cfg.max_positions)
-
-    def embedder(embedding, position: nn.Module) -> Embedder:
-        return Embedder(embedding, position, cfg.max_positions, cfg.dropout, cfg.scale_embeddings)
-
     pattern = make_pattern(cfg.attention, window=cfg.window, global_tokens=cfg.global_tokens, stride=cfg.stride,
                            topk=cfg.topk, rank=cfg.rank)
     src_embedding = nn.Embedding(vocab_size, cfg.d_model, padding_idx=pad_id)
-    src_position = positional(True)
+    src_position = _positional(cfg, True)
     encoder_layers = [transformer_layer(cfg, position=src_position, pattern=pattern)
                       for _ in range(cfg.n_encoder_layers)]
     every = cfg.downsample_every
     downsample = {i: DOWNSAMPLERS[cfg.downsample](cfg.d_model) for i in range(cfg.n_encoder_layers - 1)
                   if every and (i + 1) % every == 0}  # between layers: none after the last
-    encoder = Encoder(embedder(src_embedding, src_position), encoder_layers, final_norm(), pattern, downsample)
+    encoder = Encoder(_embedder(cfg, src_embedding, src_position), encoder_layers, _final_norm(cfg), pattern,
+                      downsample)
 
     if cfg.arch == "classifier":
         if n_classes is None:
             raise ValueError("a classifier needs n_classes")
         model = Classifier(encoder, n_classes, cfg.pooling, pad_id, cfg.dropout)
     else:
-        tgt_vocab_size = vocab_size if tgt_vocab_size is None else tgt_vocab_size
-        if cfg.tie_embeddings == "all":
-            if tgt_vocab_size != vocab_size:
-                raise ValueError("tie_embeddings = 'all' needs one joint vocabulary")
-            tgt_embedding = src_embedding
-        else:
-            tgt_embedding = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=pad_id)
-        # low_rank mixes keys along the sequence, which a causal decoder cannot do (a query would see
-        # the future): in a seq2seq model it is the encoder's self-attention, the decoder's is full
-        own = make_pattern("full") if pattern.PROJECTS_KEYS else pattern
-        tgt_position = positional(False)
-        decoder_layers = [transformer_layer(cfg, position=tgt_position, pattern=own, cross=True)
-                          for _ in range(cfg.n_decoder_layers)]
-        decoder = Decoder(embedder(tgt_embedding, tgt_position), decoder_layers, final_norm(), own)
-        output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=cfg.output_bias)
-        if cfg.tie_embeddings != "none":
-            output.weight = tgt_embedding.weight  # weight tying, Press & Wolf 2017, arXiv:1608.05859
-        model = Seq2Seq(encoder, decoder, output, pad_id)
+        model = _seq2seq(cfg, encoder, src_embedding, pattern, vocab_size, tgt_vocab_size, pad_id)
     sites = attention_modules(model)
     if init:
         init_fairseq_(model, cfg.d_model)
     for site, heads in heads_by_site(cfg.pruned_heads).items():
         sites[site].prune_heads(heads)
     return model
+
+
+def _seq2seq(cfg: ModelConfig, encoder: Encoder, src_embedding: nn.Embedding, pattern, vocab_size: int,
+             tgt_vocab_size: int | None, pad_id: int) -> Seq2Seq:
+    """The encoder with a decoder and an output layer, embeddings tied as cfg.tie_embeddings says."""
+    tgt_vocab_size = vocab_size if tgt_vocab_size is None else tgt_vocab_size
+    if cfg.tie_embeddings == "all":
+        if tgt_vocab_size != vocab_size:
+            raise ValueError("tie_embeddings = 'all' needs one joint vocabulary")
+        tgt_embedding = src_embedding
+    else:
+        tgt_embedding = nn.Embedding(tgt_vocab_size, cfg.d_model, padding_idx=pad_id)
+    # low_rank mixes keys along the sequence, which a causal decoder cannot do (a query would see
+    # the future): in a seq2seq model it is the encoder's self-attention, the decoder's is full
+    own = make_pattern("full") if pattern.PROJECTS_KEYS else pattern
+    tgt_position = _positional(cfg, False)
+    decoder_layers = [transformer_layer(cfg, position=tgt_position, pattern=own, cross=True)
+                      for _ in range(cfg.n_decoder_layers)]
+    decoder = Decoder(_embedder(cfg, tgt_embedding, tgt_position), decoder_layers, _final_norm(cfg), own)
+    output = nn.Linear(cfg.d_model, tgt_vocab_size, bias=cfg.output_bias)
+    if cfg.tie_embeddings != "none":
+        output.weight = tgt_embedding.weight  # weight tying, Press & Wolf 2017, arXiv:1608.05859
+    return Seq2Seq(encoder, decoder, output, pad_id)
+
+
+def _final_norm(cfg: ModelConfig) -> nn.Module | None:
+    """The norm after a Pre-LN stack's last layer; none after a Post-LN one."""
+    return NORMS[cfg.norm](cfg.d_model, cfg.norm_eps) if cfg.norm_position == "pre" else None
+
+
+def _positional(cfg: ModelConfig, bidirectional: bool) -> nn.Module:
+    """The positions a stack's tokens carry (`bidirectional`: an encoder's, for T5's buckets)."""
+    if cfg.positional == "learned":  # at the scale of the (possibly sqrt(D)-scaled) tokens
+        std = 1.0 if cfg.scale_embeddings else cfg.d_model**-0.5
+        return POSITIONAL["learned"](cfg.d_model, cfg.max_positions, std=std)
+    if cfg.positional == "rope":
+        return POSITIONAL["rope"](cfg.head_dim, cfg.max_positions)
+    if cfg.positional == "alibi":
+        return POSITIONAL["alibi"](cfg.n_heads)
+    if cfg.positional == "relative":  # T5: bidirectional buckets in the encoder, causal in the decoder
+        return POSITIONAL["relative"](cfg.n_heads, bidirectional, cfg.d_model)
+    if cfg.positional == "none":
+        return POSITIONAL["none"]()
+    return POSITIONAL[cfg.positional](cfg.d_model, cfg.max_positions)
+
+
+def _embedder(cfg: ModelConfig, embedding: nn.Embedding, position: nn.Module) -> Embedder:
+    return Embedder(embedding, position, cfg.max_positions, cfg.dropout, cfg.scale_embeddings)
 
 
 def transformer_layer(cfg: ModelConfig, *, position: nn.Module, pattern, cross: bool = False) -> TransformerLayer:
