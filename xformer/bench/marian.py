@@ -83,50 +83,16 @@ def train_marian(recipe, out_dir: Path, *, schedule: str = "inverse_sqrt", minut
     budget = minutes * 60
     cfg = recipe.train
     rt = resolve_runtime(device, cfg.precision)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    task = make_task(recipe)
-    task.load(emit)
-    task.prepare(out_dir, emit)
-    torch.manual_seed(cfg.seed)
-    model = marian_model(recipe, task.model_sizes()["vocab_size"]).to(rt.device)
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=PEER["lr"], betas=PEER["betas"], weight_decay=PEER["weight_decay"])
-    warmup = PEER["warmup_steps"]
-    scheduler = get_inverse_sqrt_schedule(optimizer, warmup)  # marian_wsd: the same warmup until it plans
-    sources = list(task.valid_data["src_ids"])
+    task, model, optimizer = _setup(recipe, out_dir, rt, emit)
+    scheduler = get_inverse_sqrt_schedule(optimizer, PEER["warmup_steps"])  # marian_wsd: this until it plans
     step, epoch, best, plan = 0, 0, None, None
     step_seconds, valid_seconds = [], []
-
-    def validate() -> dict:
-        model.eval()
-        total, tokens = 0.0, 0
-        with torch.inference_mode(), rt.autocast():
-            for b in task.valid_batches.iter_epoch(0):
-                src, tgt_in, tgt_out = (b[k].to(rt.device) for k in ("src", "tgt_in", "tgt_out"))
-                logits = model(input_ids=src, attention_mask=src.ne(PAD), decoder_input_ids=tgt_in).logits
-                total += F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD,
-                                         reduction="sum").item()
-                tokens += int(tgt_out.ne(PAD).sum())
-        e = recipe.eval
-        ids = marian_translate(model, sources, rt, beam=1, lenpen=1.0, max_len_a=e.max_len_a, max_len_b=e.max_len_b,
-                               batch=e.batch_sentences)
-        scores = translation_scores(task.tokenizer.decode(ids, "target"), task.refs)
-        model.train()
-        return {"loss": total / tokens, "bleu": scores["bleu"], "chrf": scores["chrf"]}
-
     model.train()
     done = False
     mark = clock()  # a step's time runs from the end of what came before it: its batch is inside
     while not done:
         for batch in task.train_batches.iter_epoch(epoch):
-            src, tgt_in, tgt_out = (batch[k].to(rt.device) for k in ("src", "tgt_in", "tgt_out"))
-            with rt.autocast():
-                logits = model(input_ids=src, attention_mask=src.ne(PAD), decoder_input_ids=tgt_in).logits
-            loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD,
-                                   label_smoothing=PEER["label_smoothing"])
-            rt.backward(loss)
-            rt.step(optimizer, model, PEER["clip_norm"])
-            optimizer.zero_grad(set_to_none=True)
+            _train_step(model, batch, rt, optimizer)
             scheduler.step()
             step += 1
             now = clock()
@@ -136,7 +102,7 @@ def train_marian(recipe, out_dir: Path, *, schedule: str = "inverse_sqrt", minut
             emit("tick", {"step": step, "fraction": min(1.0, (now - started) / budget)})
             if step % cfg.valid_every and not done:
                 continue
-            scores = validate()
+            scores = _validate(model, task, rt, recipe)
             record = {"kind": "valid", "step": step, "epoch": epoch + 1, **scores, "lr": scheduler.get_last_lr()[0],
                       "seconds": clock() - started}
             if best is None or scores["bleu"] > best["bleu"]:
@@ -155,13 +121,56 @@ def train_marian(recipe, out_dir: Path, *, schedule: str = "inverse_sqrt", minut
             if done:
                 break
         epoch += 1
-    per_epoch = len(task.train_batches)
     record = {"system": "marian_wsd" if schedule == "wsd" else "marian", "stop_reason": "max_time", "steps": step,
-              "epochs": step / per_epoch, "train_seconds": clock() - started, "precision": rt.precision, "best": best,
-              "plan": plan,
+              "epochs": step / len(task.train_batches), "train_seconds": clock() - started,
+              "precision": rt.precision, "best": best, "plan": plan,
               "parameters": sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())}
     atomic_write_text(out_dir / "train.json", json.dumps(record, indent=2))
     return record
+
+
+def _setup(recipe, out_dir: Path, rt, emit: Event):
+    """The recipe's task (corpus, tokenizer, batches) and the peer's model and AdamW, seeded."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    task = make_task(recipe)
+    task.load(emit)
+    task.prepare(out_dir, emit)
+    torch.manual_seed(recipe.train.seed)
+    model = marian_model(recipe, task.model_sizes()["vocab_size"]).to(rt.device)
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=PEER["lr"], betas=PEER["betas"], weight_decay=PEER["weight_decay"])
+    return task, model, optimizer
+
+
+def _train_step(model, batch: dict, rt, optimizer) -> None:
+    """One optimizer step on a batch: label-smoothed cross-entropy, clipped, in the runtime's precision."""
+    src, tgt_in, tgt_out = (batch[k].to(rt.device) for k in ("src", "tgt_in", "tgt_out"))
+    with rt.autocast():
+        logits = model(input_ids=src, attention_mask=src.ne(PAD), decoder_input_ids=tgt_in).logits
+    loss = F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD,
+                           label_smoothing=PEER["label_smoothing"])
+    rt.backward(loss)
+    rt.step(optimizer, model, PEER["clip_norm"])
+    optimizer.zero_grad(set_to_none=True)
+
+
+def _validate(model, task, rt, recipe) -> dict:
+    """Validation NLL a token and cased greedy BLEU / chrF, as xformer validates; back in train mode."""
+    model.eval()
+    total, tokens = 0.0, 0
+    with torch.inference_mode(), rt.autocast():
+        for b in task.valid_batches.iter_epoch(0):
+            src, tgt_in, tgt_out = (b[k].to(rt.device) for k in ("src", "tgt_in", "tgt_out"))
+            logits = model(input_ids=src, attention_mask=src.ne(PAD), decoder_input_ids=tgt_in).logits
+            total += F.cross_entropy(logits.float().flatten(0, 1), tgt_out.flatten(), ignore_index=PAD,
+                                     reduction="sum").item()
+            tokens += int(tgt_out.ne(PAD).sum())
+    e = recipe.eval
+    ids = marian_translate(model, list(task.valid_data["src_ids"]), rt, beam=1, lenpen=1.0, max_len_a=e.max_len_a,
+                           max_len_b=e.max_len_b, batch=e.batch_sentences)
+    scores = translation_scores(task.tokenizer.decode(ids, "target"), task.refs)
+    model.train()
+    return {"loss": total / tokens, "bleu": scores["bleu"], "chrf": scores["chrf"]}
 
 
 def _wsd_plan(step: int, seconds_left: float, step_seconds: list[float], valid_seconds: list[float],

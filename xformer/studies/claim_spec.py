@@ -93,62 +93,83 @@ def claim_from_table(table: dict, cells: list[str] | None, where: str,
     claim, typed = section_from_dict(Claim, "claim", table, problems)
     checks = []
     if typed:
-        if claim.number <= 0:
-            problems.append(f"claim.number: expected the claim's positive number in the ledger, found {claim.number}")
-        if not claim.says.strip():
-            problems.append("claim.says: expected the claim as it circulates, found nothing")
-        if cells is None and not claim.blocked:
-            problems.append("claim.blocked: a claim without an [experiment] must say what xformer lacks to measure it")
-        if cells is not None and claim.blocked:
-            problems.append("claim.blocked: this spec has an [experiment]; remove blocked")
-        if cells is not None and not raws:
-            problems.append("claim.checks: expected at least one [[claim.checks]] comparison of two cells")
-        for i, raw in enumerate(raws):
-            name = f"claim.checks[{i}]"
-            if not isinstance(raw, dict):
-                problems.append(f"{name}: expected a table (cell, expect, than, percent or points), found {raw!r}")
-                continue
-            check, ok = section_from_dict(Check, name, raw, problems)
-            if ok:
-                problems += _check_problems(check, cells or [], name)
-                if check.than_init and (check.metric not in ROLE_METRICS or check.than):
-                    problems.append(f"{name}: than_init compares a head-role count ({', '.join(ROLE_METRICS)}) "
-                                    "with the same cell at initialisation; name no `than`")
-                elif check.cell == (check.than or baseline) and check.length == check.than_length \
-                        and not check.than_init:
-                    problems.append(f"{name}: compares {check.cell!r} with itself; name another cell in `than`, or "
-                                    "another length (length, than_length)")
-                if (check.length or check.than_length) and check.metric != "test":
-                    problems.append(f"{name}: length and than_length compare test scores (metric = \"test\")")
-            checks.append(check)
-        if cells is not None and not claim.anchor.strip():
-            problems.append("claim.anchor: expected the published number beside ours (paper, table, setting, "
-                            "numbers), or \"none: why\"")
-        if claim.anchor_cell and claim.anchor_cell not in (cells or []):
-            problems.append(f"claim.anchor_cell: expected one of the cells, found {claim.anchor_cell!r}"
-                            f"{did_you_mean(claim.anchor_cell, cells or [])}")
-        if claim.anchor_cell and not claim.anchor_percent:
-            problems.append("claim.anchor_percent: expected the published effect of anchor_cell, in % of the "
-                            "baseline's score, found 0")
-        claim.preconditions = []
+        problems += _claim_problems(claim, cells, has_checks=bool(raws))
+        checks = [check for i, raw in enumerate(raws) if (check := _check(raw, f"claim.checks[{i}]", cells, baseline,
+                                                                          problems)) is not None]
+        problems += _anchor_problems(claim, cells)
         if not isinstance(conditions, list):
             problems.append(f"claim.preconditions: expected [[claim.preconditions]] tables, found {conditions!r}")
             conditions = []
-        for i, raw in enumerate(conditions):
-            name = f"claim.preconditions[{i}]"
-            condition, ok = section_from_dict(Precondition, name, raw if isinstance(raw, dict) else {}, problems)
-            if not ok:
-                continue
-            kinds = [k for k in ("below", "at_least", "device") if getattr(condition, k)]
-            if len(kinds) != 1:
-                problems.append(f"{name}: expected one of below, at_least, device, found {kinds or 'none'}")
-            if not condition.what.strip():
-                problems.append(f"{name}.what: expected the condition in words")
-            if condition.below and (condition.cell not in (cells or []) or condition.key.count(".") != 1):
-                problems.append(f"{name}: `below` tests a recipe value: expected cell (one of the cells) and key "
-                                f"(section.name), found cell {condition.cell!r}, key {condition.key!r}")
-            claim.preconditions.append(condition)
+        claim.preconditions = [condition for i, raw in enumerate(conditions)
+                               if (condition := _precondition(raw, f"claim.preconditions[{i}]", cells,
+                                                              problems)) is not None]
     return claim, checks, [f"{where}: {p}" for p in problems]
+
+
+def _claim_problems(claim: Claim, cells: list[str] | None, *, has_checks: bool) -> list[str]:
+    """What is wrong with the [claim] table's own fields, its anchor aside."""
+    problems = []
+    if claim.number <= 0:
+        problems.append(f"claim.number: expected the claim's positive number in the ledger, found {claim.number}")
+    if not claim.says.strip():
+        problems.append("claim.says: expected the claim as it circulates, found nothing")
+    if cells is None and not claim.blocked:
+        problems.append("claim.blocked: a claim without an [experiment] must say what xformer lacks to measure it")
+    if cells is not None and claim.blocked:
+        problems.append("claim.blocked: this spec has an [experiment]; remove blocked")
+    if cells is not None and not has_checks:
+        problems.append("claim.checks: expected at least one [[claim.checks]] comparison of two cells")
+    return problems
+
+
+def _anchor_problems(claim: Claim, cells: list[str] | None) -> list[str]:
+    """What is wrong with the claim's anchor: the published number it is read against."""
+    problems = []
+    if cells is not None and not claim.anchor.strip():
+        problems.append("claim.anchor: expected the published number beside ours (paper, table, setting, "
+                        "numbers), or \"none: why\"")
+    if claim.anchor_cell and claim.anchor_cell not in (cells or []):
+        problems.append(f"claim.anchor_cell: expected one of the cells, found {claim.anchor_cell!r}"
+                        f"{did_you_mean(claim.anchor_cell, cells or [])}")
+    if claim.anchor_cell and not claim.anchor_percent:
+        problems.append("claim.anchor_percent: expected the published effect of anchor_cell, in % of the "
+                        "baseline's score, found 0")
+    return problems
+
+
+def _check(raw, name: str, cells: list[str] | None, baseline: str, problems: list[str]) -> Check | None:
+    """One [[claim.checks]] table typed (None when it is no table), its problems added to `problems`."""
+    if not isinstance(raw, dict):
+        problems.append(f"{name}: expected a table (cell, expect, than, percent or points), found {raw!r}")
+        return None
+    check, ok = section_from_dict(Check, name, raw, problems)
+    if ok:
+        problems += _check_problems(check, cells or [], name)
+        if check.than_init and (check.metric not in ROLE_METRICS or check.than):
+            problems.append(f"{name}: than_init compares a head-role count ({', '.join(ROLE_METRICS)}) "
+                            "with the same cell at initialisation; name no `than`")
+        elif check.cell == (check.than or baseline) and check.length == check.than_length and not check.than_init:
+            problems.append(f"{name}: compares {check.cell!r} with itself; name another cell in `than`, or "
+                            "another length (length, than_length)")
+        if (check.length or check.than_length) and check.metric != "test":
+            problems.append(f"{name}: length and than_length compare test scores (metric = \"test\")")
+    return check
+
+
+def _precondition(raw, name: str, cells: list[str] | None, problems: list[str]) -> Precondition | None:
+    """One [[claim.preconditions]] table typed (None when it cannot be), its problems added."""
+    condition, ok = section_from_dict(Precondition, name, raw if isinstance(raw, dict) else {}, problems)
+    if not ok:
+        return None
+    kinds = [k for k in ("below", "at_least", "device") if getattr(condition, k)]
+    if len(kinds) != 1:
+        problems.append(f"{name}: expected one of below, at_least, device, found {kinds or 'none'}")
+    if not condition.what.strip():
+        problems.append(f"{name}.what: expected the condition in words")
+    if condition.below and (condition.cell not in (cells or []) or condition.key.count(".") != 1):
+        problems.append(f"{name}: `below` tests a recipe value: expected cell (one of the cells) and key "
+                        f"(section.name), found cell {condition.cell!r}, key {condition.key!r}")
+    return condition
 
 
 def _check_problems(check: Check, cells: list[str], name: str) -> list[str]:
