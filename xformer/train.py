@@ -45,7 +45,6 @@ from xformer.training.budget import fit_run
 from xformer.training.checkpoint import (
     average_checkpoints,
     load_model_weights,
-    read_checkpoint_meta,
     save_checkpoint,
 )
 from xformer.training.compiling import compiled_forward
@@ -56,17 +55,16 @@ from xformer.training.measure import PeakMemory, allocator_peak
 from xformer.training.optim import WsdPlan, build_optimizer, learning_rate
 from xformer.training.progress import LogLine, Progress, StopSignals, truncate_metrics
 from xformer.training.resume import (
-    branch,
     has_checkpoint,
-    init_from,
     init_weights,
     prepare_run_dir,
     resume_point,
     resumed_recipe,
     set_aside,
+    start_from_another,
 )
 from xformer.training.run_card import run_card
-from xformer.training.run_folder import remove_temporaries, tokenizer_digest
+from xformer.training.run_folder import disk_full_error, out_of_memory_error, remove_temporaries, tokenizer_digest
 from xformer.training.state import TrainResult, TrainState, limit_reached, validate_and_save
 from xformer.training.trackers import MetricsLog, Reporting, flat_params
 
@@ -93,26 +91,9 @@ def run(
 
     Started by torchrun (WORLD_SIZE > 1), every process calls this; see xformer.training.distributed."""
     cluster = cluster_from_env(device, recipe.train.accumulate_steps)
-    if branch_from is not None:  # a new run folder: `branch_from` at step `at_step`, then resumed
-        if resume or overwrite or at_step is None:
-            raise RunError("--branch-from starts a new run from a step of another: give --at-step, and neither "
-                           "--resume nor --overwrite")
-        if cluster.writer:
-            with FolderLock(Path(out_dir), "train"):
-                found = branch(Path(branch_from), at_step, Path(out_dir), Path(recipe_path) if recipe_path else None)
-            (on_event or ignore)("setup", {"message": f"branched from {found} (step {at_step})"})
-        cluster.barrier()
-        resume = True
-    if init is not None:  # a new run folder holding `init`'s tokenizer, then trained from its weights
-        if resume or overwrite or branch_from is not None:
-            raise RunError("--init-from starts a new run from another's weights: neither --resume, --overwrite nor "
-                           "--branch-from")
-        if cluster.writer:
-            with FolderLock(Path(out_dir), "train"):
-                found = init_from(Path(init), init_checkpoint, Path(out_dir), recipe,
-                                  Path(recipe_path) if recipe_path else None)
-            (on_event or ignore)("setup", {"message": f"weights and tokenizer from {found}"})
-        cluster.barrier()
+    resume = start_from_another(cluster, out_dir, recipe, on_event or ignore, resume=resume, overwrite=overwrite,
+                                recipe_path=recipe_path, branch_from=branch_from, at_step=at_step, init=init,
+                                init_checkpoint=init_checkpoint)
     log, result = MetricsLog(Path(out_dir), reporting, on_event, cluster.writer), None
     try:
         with contextlib.ExitStack() as hold:  # the run folder's lock, once _run takes it
@@ -126,20 +107,9 @@ def run(
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
-        last = Path(out_dir) / "checkpoints" / "last.safetensors"  # written whole or not at all: intact
-        kept = f"{last} (step {read_checkpoint_meta(last)['progress']['step']}) is intact; " if last.is_file() else ""
-        reason = "no space left on the device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
-        raise RunError(f"{out_dir}: {reason} while writing {exc.filename or 'the run'}; {kept}free some space, "
-                       "then --resume continues the run") from None
+        raise disk_full_error(exc, Path(out_dir)) from None
     except torch.OutOfMemoryError as exc:  # no checkpoint is written: the last one stays as it was
-        d, cfg = recipe.data, recipe.train
-        last = Path(out_dir) / "checkpoints" / "last.safetensors"
-        kept = f"{last} is intact; " if last.is_file() else ""
-        raise RunError(f"out of memory on {device} ({str(exc).splitlines()[0][:160]}); batches hold "
-                       f"data.max_tokens = {d.max_tokens} tokens: train with --set data.max_tokens={d.max_tokens // 2} "
-                       f"--set train.accumulate_steps={cfg.accumulate_steps * 2} (the same step in halves) into a new "
-                       f"--out, since a resumed run keeps its batches; {kept}--resume continues it where memory "
-                       "allows") from None
+        raise out_of_memory_error(exc, recipe, device, Path(out_dir)) from None
     finally:  # the trackers' runs end with this process's part of the run, however it ends
         log.close(finished=result is not None and result.stop_reason != "interrupted")
     cluster.close()  # not on an exception: torchrun stops the processes still waiting

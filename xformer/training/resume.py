@@ -35,6 +35,7 @@ from xformer.config.loading import load_recipe, recipe_at
 from xformer.config.schema import CHANGEABLE, FIXED_ON_RESUME, Change, Recipe
 from xformer.errors import RunError
 from xformer.files import atomic_write_text
+from xformer.locks import FolderLock
 from xformer.training.budget import keep_fitted
 from xformer.training.checkpoint import (
     load_model_weights,
@@ -293,3 +294,31 @@ def init_weights(model: torch.nn.Module, out_dir: Path) -> dict | None:
                        "start a new run with --init-from")
     load_model_weights(model, tensors, path)
     return record
+
+
+def start_from_another(cluster, out_dir, recipe: Recipe, emit, *, resume: bool, overwrite: bool, recipe_path,
+                       branch_from, at_step: int | None, init, init_checkpoint: str | None) -> bool:
+    """A run folder started from another run: `branch_from` as it stood at `at_step` (then
+    resumed: returns True), or `init`'s weights and tokenizer (trained from step 0). Else nothing;
+    returns whether the run resumes."""
+    if branch_from is not None:
+        if resume or overwrite or at_step is None:
+            raise RunError("--branch-from starts a new run from a step of another: give --at-step, and neither "
+                           "--resume nor --overwrite")
+        if cluster.writer:
+            with FolderLock(Path(out_dir), "train"):
+                found = branch(Path(branch_from), at_step, Path(out_dir), Path(recipe_path) if recipe_path else None)
+            emit("setup", {"message": f"branched from {found} (step {at_step})"})
+        cluster.barrier()
+        resume = True
+    if init is not None:
+        if resume or overwrite or branch_from is not None:
+            raise RunError("--init-from starts a new run from another's weights: neither --resume, --overwrite nor "
+                           "--branch-from")
+        if cluster.writer:
+            with FolderLock(Path(out_dir), "train"):
+                found = init_from(Path(init), init_checkpoint, Path(out_dir), recipe,
+                                  Path(recipe_path) if recipe_path else None)
+            emit("setup", {"message": f"weights and tokenizer from {found}"})
+        cluster.barrier()
+    return resume

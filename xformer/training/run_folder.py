@@ -10,10 +10,12 @@ folder holding it) nor a folder holding the recipe being read can be the run dir
 Every checkpoint records the digest of the run's tokenizer files, so a tokenizer swapped
 after training is caught when a checkpoint is loaded rather than decoding garbage. A driver of
 many runs (experiment, longrange) asks run_state whether a run is trained, to resume or new.
+When the disk fills or memory runs out mid-run, the errors say what in the folder is intact.
 """
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import shutil
@@ -184,3 +186,23 @@ def finished_at(out_dir: Path, step: int) -> bool:
         return json.loads((out_dir / "train.json").read_text())["steps"] == step
     except (OSError, ValueError, KeyError, TypeError):
         return False
+
+
+def disk_full_error(exc: OSError, out_dir: Path) -> RunError:
+    """The disk filled while the run wrote: what is intact, and how to go on."""
+    last = out_dir / "checkpoints" / "last.safetensors"  # written whole or not at all: intact
+    kept = f"{last} (step {read_checkpoint_meta(last)['progress']['step']}) is intact; " if last.is_file() else ""
+    reason = "no space left on the device" if exc.errno == errno.ENOSPC else "disk quota exceeded"
+    return RunError(f"{out_dir}: {reason} while writing {exc.filename or 'the run'}; {kept}free some space, "
+                    "then --resume continues the run")
+
+
+def out_of_memory_error(exc: Exception, recipe, device: str, out_dir: Path) -> RunError:
+    """Out of memory: what to set so the same step fits, in halves."""
+    d, cfg = recipe.data, recipe.train
+    last = out_dir / "checkpoints" / "last.safetensors"
+    kept = f"{last} is intact; " if last.is_file() else ""
+    return RunError(f"out of memory on {device} ({str(exc).splitlines()[0][:160]}); batches hold "
+                    f"data.max_tokens = {d.max_tokens} tokens: train with --set data.max_tokens={d.max_tokens // 2} "
+                    f"--set train.accumulate_steps={cfg.accumulate_steps * 2} (the same step in halves) into a new "
+                    f"--out, since a resumed run keeps its batches; {kept}--resume continues it where memory allows")
