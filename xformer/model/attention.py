@@ -10,9 +10,9 @@ Query head h reads key/value head h // (H / K), so H = K is ordinary multi-head 
 arXiv:1911.02150) and anything between is grouped-query attention (Ainslie et al. 2023,
 arXiv:2305.13245).
 
-Two paths compute the same thing and are tested to agree: `explicit_attention`, written
-out so it can return the probabilities (head inspection needs them), and PyTorch's fused
-`scaled_dot_product_attention`. Both take a boolean mask (True = may attend) and an additive
+Two paths compute the same thing and are tested to agree (model/kernels.py):
+`explicit_attention`, written out so it can return the probabilities (head inspection needs
+them), and PyTorch's fused `scaled_dot_product_attention`; flex is a third (model/flex.py). Both take a boolean mask (True = may attend) and an additive
 float score bias (ALiBi, T5's relative bias); only the explicit path takes a score hook (top-k),
 so MultiHeadAttention sends a module with one there whatever its backend.
 """
@@ -24,12 +24,12 @@ from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor, nn
 
 from xformer.model.banded import Front
 from xformer.model.cache import KVCache
-from xformer.model.flex import flex_attention, runs_on
+from xformer.model.flex import flex_heads, runs_on
+from xformer.model.kernels import drop_heads, explicit_attention, sdpa_attention
 from xformer.model.patterns import PatternMask, self_attention_mask
 
 
@@ -49,80 +49,6 @@ def separate_projections(d_model: int, n_heads: int, n_kv_heads: int, bias: bool
     return Projections(nn.Linear(d_model, n_heads * head_dim, bias=bias),
                        nn.Linear(d_model, n_kv_heads * head_dim, bias=bias),
                        nn.Linear(d_model, n_kv_heads * head_dim, bias=bias))
-
-def explicit_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
-    dropout: float = 0.0, training: bool = False, bias: Tensor | None = None,
-    score_hook: Callable[[Tensor], Tensor] | None = None, drop: nn.Module | None = None,
-) -> tuple[Tensor, Tensor]:
-    """softmax(score_hook(q k^T / sqrt(Dh) + bias, masked)) v, and the probabilities.
-
-    q: (B, H, T, Dh); k, v: (B, K, S, Dh) with H a multiple of K; mask: boolean, True where
-    attendable, broadcastable to (B, H, T, S); bias: float, broadcastable to (B, H, T, S);
-    score_hook: (B, H, T, S) scores with masked ones at -inf -> scores. Returns (B, H, T, Dh)
-    and (B, H, T, S). `drop`: the dropout module to apply to the probabilities (its own p and
-    mode; MultiHeadAttention's, which training may switch to the fast CPU mask) instead of
-    F.dropout(dropout, training). The grouped matmul never copies k and v to H heads.
-    """
-    b, h, t, dh = q.shape
-    kv, s = k.size(1), k.size(2)
-    qg = q.reshape(b, kv, h // kv, t, dh)  # (B, K, G, T, Dh)
-    scores = qg @ k[:, :, None].transpose(-1, -2) / math.sqrt(dh)  # (B, K, G, T, S)
-    scores = scores.view(b, h, t, s)
-    if bias is not None:
-        scores = scores + bias.to(scores.dtype)
-    if is_causal:
-        scores = scores.masked_fill(~torch.ones(t, s, dtype=torch.bool, device=q.device).tril(), float("-inf"))
-    if mask is not None:
-        scores = scores.masked_fill(~mask, float("-inf"))
-    if score_hook is not None:
-        scores = score_hook(scores)
-    probs = scores.softmax(dim=-1)
-    dropped = drop(probs) if drop is not None else F.dropout(probs, dropout, training)
-    out = dropped.view(b, kv, h // kv, t, s) @ v[:, :, None]  # (B, K, G, T, Dh)
-    return out.view(b, h, t, dh), probs
-
-
-def sdpa_attention(
-    q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None = None, is_causal: bool = False,
-    dropout: float = 0.0, training: bool = False, bias: Tensor | None = None,
-) -> Tensor:
-    """The same as `explicit_attention` (without a score hook) through
-    `F.scaled_dot_product_attention` (flash / memory-efficient kernels where the inputs allow;
-    a bias makes the mask a float one, which those kernels take as an additive mask)."""
-    if bias is not None:  # one additive float mask: the bias, -inf where masked or in the future
-        t, s = q.size(2), k.size(2)
-        float_mask = bias.to(q.dtype)
-        if is_causal:
-            float_mask = float_mask.masked_fill(~torch.ones(t, s, dtype=torch.bool, device=q.device).tril(),
-                                                float("-inf"))
-        if mask is not None:
-            float_mask = float_mask.masked_fill(~mask, float("-inf"))
-        mask, is_causal = float_mask, False
-    h, kv = q.size(1), k.size(1)
-    if kv != h:  # (B, K, S, Dh) -> (B, H, S, Dh): a copy, as SDPA's enable_gqa needs torch >= 2.5
-        b, _, s, dh = k.shape
-        k = k[:, :, None].expand(b, kv, h // kv, s, dh).reshape(b, h, s, dh)
-        v = v[:, :, None].expand(b, kv, h // kv, s, dh).reshape(b, h, s, dh)
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
-        # torch's CPU flash kernel is ~7x slower backward in bf16 than in fp32 (measured on the
-        # de->en recipe: 22% of a bf16-autocast step), and attention is a small share of the
-        # FLOPs at these lengths: it runs in fp32 and only its output returns to bf16.
-        with torch.autocast("cpu", enabled=False):
-            mask = mask.float() if mask is not None and mask.is_floating_point() else mask
-            return sdpa_attention(q.float(), k.float(), v.float(), mask, is_causal, dropout, training).to(q.dtype)
-    return F.scaled_dot_product_attention(
-        q, k, v, attn_mask=mask, dropout_p=dropout if training else 0.0, is_causal=is_causal
-    )
-
-
-def drop_heads(out: Tensor, p: float) -> Tensor:
-    """DropHead (Zhou et al. 2020, arXiv:2004.13342): zero each head's output (B, H, T, Dh) with
-    probability p, independently per example, and scale an example's surviving heads by
-    H / (heads kept) so that the sum over heads keeps its scale. At inference nothing is dropped."""
-    b, h = out.shape[:2]
-    keep = (torch.rand(b, h, 1, 1, device=out.device) >= p).to(out.dtype)  # (B, H, 1, 1)
-    return out * keep * (h / keep.sum(1, keepdim=True).clamp(min=1))
 
 
 class MultiHeadAttention(nn.Module):
@@ -224,7 +150,10 @@ class MultiHeadAttention(nn.Module):
         probes = need_weights or self.on_probs is not None  # the probabilities are wanted
         if self.backend == "flex" and cache is None and not probes and (self.score_hook is None or memory is not None) \
                 and runs_on(q):
-            return self._finish(self._flex(q, k, v, mask, is_causal, memory is not None), b, t), None
+            bias = self._bias if self.score_bias is not None else None
+            out = flex_heads(q, k, v, mask, is_causal, memory is not None, key_projection=self.key_projection,
+                             mem_k=self.mem_k, mem_v=self.mem_v, bias=bias)
+            return self._finish(out, b, t), None
         if isinstance(mask, PatternMask):  # a self-attention's pattern, not yet a (T, S) matrix
             if mask.banded and memory is None and cache is None and self.score_hook is None \
                     and self.key_projection is None and not probes:
@@ -307,62 +236,6 @@ class MultiHeadAttention(nn.Module):
         rows_bias = None if bias is None else bias(torch.arange(g, device=q.device), torch.arange(t, device=q.device))
         rows = self._dense_rows(q[:, :, :g], k, v, rows_mask, rows_bias)
         return torch.cat([rows, out[:, :, g:]], dim=2)
-
-    def _flex(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor | PatternMask | None, is_causal: bool,
-              cross: bool) -> Tensor:
-        """Attention through flex (model/flex.py): the mask (a pattern's, or a boolean tensor's
-        entries), causality, the memory slots (M keys in front) and the position bias, each as
-        the elementwise function flex calls."""
-        if self.key_projection is not None:  # Linformer: every query sees the rank mixtures
-            k, v = self.key_projection(k, v, mask.dense() if isinstance(mask, PatternMask) else mask)
-            mask = None
-        rules, by_batch = [], False
-        if isinstance(mask, PatternMask):
-            allowed, pad = mask.pattern.allowed, mask.pad
-            if mask.pattern.QUERY_DEPENDENT:
-                rules.append(lambda b, qi, ki: allowed(qi, ki))
-            is_causal = is_causal or mask.causal
-            if pad is not None:
-                rules.append(lambda b, qi, ki: ~pad[b, ki])
-                by_batch = True
-        elif mask is not None:  # (B | 1, 1, T | 1, S) booleans
-            table = mask[:, 0]
-            one_b, one_t = table.size(0) == 1, table.size(1) == 1
-            rules.append(lambda b, qi, ki: table[0 if one_b else b, 0 if one_t else qi, ki])
-            by_batch = not one_b
-        if is_causal:
-            rules.append(lambda b, qi, ki: ki <= qi)
-        m = 0
-        if self.mem_k is not None and not cross:
-            m = self.mem_k.size(1)
-            k = torch.cat([self.mem_k.to(k.dtype).expand(q.size(0), -1, -1, -1), k], dim=2)
-            v = torch.cat([self.mem_v.to(v.dtype).expand(q.size(0), -1, -1, -1), v], dim=2)
-
-        def key(ki):  # a sequence key's own index, past the memory slots
-            return (ki - m).clamp(min=0) if m else ki
-
-        sees_itself = isinstance(mask, PatternMask)  # as self_attention_mask has it; not a cross-attention
-        mask_mod = None
-        if rules:
-            def mask_mod(b, h, qi, ki):
-                ok = rules[0](b, qi, key(ki))
-                for rule in rules[1:]:
-                    ok = ok & rule(b, qi, key(ki))
-                if sees_itself:
-                    ok = ok | (qi == key(ki))
-                return ok | (ki < m) if m else ok
-
-        score_mod = None
-        if self.score_bias is not None and not cross:  # a function of k - q: one row of offsets
-            t, s = q.size(2), k.size(2) - m
-            offsets = self._bias(torch.zeros(1, dtype=torch.long, device=q.device),
-                                 torch.arange(-(t - 1), s, device=q.device))[:, 0]  # (H, T + S - 1)
-
-            def score_mod(score, b, h, qi, ki):
-                shifted = score + offsets[h, key(ki) - qi + t - 1].to(score.dtype)
-                return torch.where(ki < m, score, shifted) if m else shifted
-
-        return flex_attention(q, k, v, mask_mod, score_mod, by_batch)
 
     def _dense_rows(self, q: Tensor, k: Tensor, v: Tensor, mask: Tensor, bias: Tensor | None) -> Tensor:
         """Explicit attention of a few query rows over every key (and the memory slots)."""

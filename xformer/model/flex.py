@@ -20,6 +20,8 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
+from xformer.model.patterns import PatternMask
+
 try:
     from torch.nn.attention.flex_attention import create_block_mask
     from torch.nn.attention.flex_attention import flex_attention as _flex
@@ -56,3 +58,62 @@ def flex_attention(q: Tensor, k: Tensor, v: Tensor, mask_mod: Callable | None, s
     if mask_mod is not None:
         block_mask = create_block_mask(mask_mod, b if batch_dependent else None, None, t, s, device=q.device)
     return _compiled(q, k, v, score_mod=score_mod, block_mask=block_mask, enable_gqa=k.size(1) != h)
+
+
+def flex_heads(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | PatternMask | None, is_causal: bool, cross: bool,
+               *, key_projection=None, mem_k: Tensor | None = None, mem_v: Tensor | None = None,
+               bias: Callable[[Tensor, Tensor], Tensor] | None = None) -> Tensor:
+    """Attention heads through flex: the mask (a pattern's, or a boolean tensor's entries),
+    causality, the memory slots (M keys `mem_k`, `mem_v` in front) and the position bias
+    (`bias(q_pos, k_pos)` -> (H, T, S)), each as the elementwise function flex calls.
+    `key_projection`: Linformer's, applied first; `cross`: a cross-attention (no slots, no bias)."""
+    if key_projection is not None:  # Linformer: every query sees the rank mixtures
+        k, v = key_projection(k, v, mask.dense() if isinstance(mask, PatternMask) else mask)
+        mask = None
+    rules, by_batch = [], False
+    if isinstance(mask, PatternMask):
+        allowed, pad = mask.pattern.allowed, mask.pad
+        if mask.pattern.QUERY_DEPENDENT:
+            rules.append(lambda b, qi, ki: allowed(qi, ki))
+        is_causal = is_causal or mask.causal
+        if pad is not None:
+            rules.append(lambda b, qi, ki: ~pad[b, ki])
+            by_batch = True
+    elif mask is not None:  # (B | 1, 1, T | 1, S) booleans
+        table = mask[:, 0]
+        one_b, one_t = table.size(0) == 1, table.size(1) == 1
+        rules.append(lambda b, qi, ki: table[0 if one_b else b, 0 if one_t else qi, ki])
+        by_batch = not one_b
+    if is_causal:
+        rules.append(lambda b, qi, ki: ki <= qi)
+    m = 0
+    if mem_k is not None and not cross:
+        m = mem_k.size(1)
+        k = torch.cat([mem_k.to(k.dtype).expand(q.size(0), -1, -1, -1), k], dim=2)
+        v = torch.cat([mem_v.to(v.dtype).expand(q.size(0), -1, -1, -1), v], dim=2)
+
+    def key(ki):  # a sequence key's own index, past the memory slots
+        return (ki - m).clamp(min=0) if m else ki
+
+    sees_itself = isinstance(mask, PatternMask)  # as self_attention_mask has it; not a cross-attention
+    mask_mod = None
+    if rules:
+        def mask_mod(b, h, qi, ki):
+            ok = rules[0](b, qi, key(ki))
+            for rule in rules[1:]:
+                ok = ok & rule(b, qi, key(ki))
+            if sees_itself:
+                ok = ok | (qi == key(ki))
+            return ok | (ki < m) if m else ok
+
+    score_mod = None
+    if bias is not None and not cross:  # a function of k - q: one row of offsets
+        t, s = q.size(2), k.size(2) - m
+        offsets = bias(torch.zeros(1, dtype=torch.long, device=q.device),
+                             torch.arange(-(t - 1), s, device=q.device))[:, 0]  # (H, T + S - 1)
+
+        def score_mod(score, b, h, qi, ki):
+            shifted = score + offsets[h, key(ki) - qi + t - 1].to(score.dtype)
+            return torch.where(ki < m, score, shifted) if m else shifted
+
+    return flex_attention(q, k, v, mask_mod, score_mod, by_batch)
