@@ -20,9 +20,9 @@ import numpy as np
 import torch
 
 from xformer.config.schema import DistillConfig, Recipe, TrainConfig
-from xformer.data.batching import BatchIterator, SampledBatchIterator, collate
+from xformer.data.batching import BatchIterator, SampledBatchIterator
 from xformer.data.corpus import encode_split, load_split
-from xformer.data.tokenizer import BOS_ID, EOS_ID, PAD_ID, Tokenizer
+from xformer.data.tokenizer import PAD_ID, Tokenizer
 from xformer.errors import DataError
 from xformer.events import Event
 from xformer.files import atomic_write_text
@@ -34,14 +34,11 @@ from xformer.significance import PairedBleu, paired_bleu
 from xformer.tasks.base import (
     CorpusData,
     EvalRequest,
-    SiteTokens,
-    Subject,
     Task,
     load_training_splits,
-    mark_pad,
-    site_space,
 )
 from xformer.tasks.teacher import Teacher, distilled_corpus, open_teacher, share_tokenizer
+from xformer.tasks.translation_heads import TranslationSubject, translation_subject
 from xformer.tasks.translation_tokenizer import ensure_tokenizer
 from xformer.training.cpuload import OtherLoad
 from xformer.training.device import Runtime
@@ -404,73 +401,5 @@ class TranslationTask(Task):
                 checkpoint: str, device: str) -> TranslationSubject:
         """The model in fp32 (statistics and gradients want full precision) and the first
         n_examples pairs of `split` (default: the validation split) or of `data`."""
-        recipe, d = self.recipe, self.recipe.data
         model, rt = self.open_run(run_dir, checkpoint, device, "fp32")
-        fields = [d.source_lang, d.target_lang]
-        config = d.dataset_config or None if data is None else None
-        raw = load_split(data if data is not None else d.dataset, split or d.valid_split, fields, config)
-        raw = raw.select(range(min(n_examples, len(raw))))
-        limit = recipe.model.max_positions - 1
-        sources = [s[:limit] for s in self.tokenizer.encode(list(raw[d.source_lang]), "source")]
-        targets = [t[:limit] for t in self.tokenizer.encode(list(raw[d.target_lang]), "target")]
-        train = d.load_train(fields)
-        frequency = {side: _counts(self.tokenizer.encode(list(train[lang]), side), self.tokenizer.vocab_size(side))
-                     for side, lang in (("source", d.source_lang), ("target", d.target_lang))}
-        subject = TranslationSubject(model, recipe, rt, self.tokenizer, sources, targets, list(raw[d.target_lang]),
-                                     frequency, task=self)
-        subject.run_dir = Path(run_dir)
-        return subject
-
-
-class TranslationSubject(Subject):
-    """inspect-heads' view of a translation run: encoder, decoder and cross-attention sites."""
-
-    kind = "translation"
-    metric_names = ("loss", "bleu")
-    special_ids = frozenset({BOS_ID, EOS_ID})
-
-    def __init__(self, model, recipe, rt, tokenizer, sources, targets, references, frequency, task=None):
-        self.tokenizer, self.sources, self.targets, self.references = tokenizer, sources, targets, references
-        token_text = {side: tokenizer.vocabulary(side) for side in ("source", "target")}
-        order = sorted(range(len(sources)), key=lambda i: len(sources[i]))
-        batches, size = [], max(1, 4096 // max(1, max(len(s) for s in sources) if sources else 1))
-        for start in range(0, len(order), size):
-            rows = order[start:start + size]
-            batches.append({**collate([(sources[i], targets[i]) for i in rows]), "rows": rows})
-        super().__init__(model, recipe, rt, batches, token_text, frequency, task)
-
-    def forward(self, batch: dict) -> torch.Tensor:
-        return self.model(batch["src"].to(self.rt.device), batch["tgt_in"].to(self.rt.device))
-
-    def loss_sum(self, batch: dict) -> tuple[torch.Tensor, int]:
-        tgt_out = batch["tgt_out"].to(self.rt.device)
-        logits = self.forward(batch)
-        return sequence_loss(logits, tgt_out, PAD_ID), int(tgt_out.ne(PAD_ID).sum())
-
-    def site_tokens(self, site: str, batch: dict) -> SiteTokens:
-        src, tgt = mark_pad(batch["src"], PAD_ID), mark_pad(batch["tgt_in"], PAD_ID)
-        space = site_space(site)
-        if space == "encoder":
-            return SiteTokens(src, src)
-        if space == "decoder":
-            return SiteTokens(tgt, tgt)
-        return SiteTokens(tgt, src)
-
-    def score(self, metric: str, examples=None) -> float:
-        if metric == "loss":
-            return self.mean_loss()
-        sources, references = examples if examples is not None else (self.sources, self.references)
-        beam = 1 if examples is None else None  # greedy for ranking, the recipe's beam on held-out data
-        hyps = self.tokenizer.decode(translate_ids(self.model, sources, self.recipe, self.rt, beam=beam), "target")
-        return translation_scores(hyps, references)["bleu"]
-
-    def held_out(self, split: str | None):
-        d = self.recipe.data
-        name = split or d.test_split
-        raw = load_split(d.dataset, name, [d.source_lang, d.target_lang], d.dataset_config or None)
-        return (self.tokenizer.encode(list(raw[d.source_lang]), "source"), list(raw[d.target_lang])), name
-
-
-def _counts(ids: list[list[int]], size: int) -> np.ndarray:
-    flat = np.fromiter((t for seq in ids for t in seq), dtype=np.int64)
-    return np.bincount(flat, minlength=size)
+        return translation_subject(self, model, rt, Path(run_dir), split=split, data=data, n_examples=n_examples)
