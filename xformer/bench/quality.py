@@ -35,9 +35,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -54,6 +52,7 @@ from xformer.files import atomic_write_text
 from xformer.results import Result
 from xformer.significance import paired_bleu
 from xformer.studies.grid import stop_if_asked
+from xformer.studies.jobs import Jobs
 from xformer.tasks.base import EvalRequest
 from xformer.train import run
 from xformer.training.progress import StopSignals
@@ -184,19 +183,6 @@ def _recorded(out_dir: Path, system: str, seed: int, what: str) -> list[str]:
     return _lines(out_dir / record[what])
 
 
-@dataclass
-class _Flight:
-    """A run in flight: its process, what it is, its CPUs and its stderr file."""
-
-    process: subprocess.Popen
-    system: str
-    seed: int
-    folder: Path
-    cpus: list[int] | None
-    log: object
-    began: float = field(default_factory=time.perf_counter)
-
-
 def _run_all(waiting: list[tuple[str, int, Path]], config: QualityConfig, groups: list, emit: Event) -> None:
     """Each waiting run in a fresh interpreter (its own threads, allocator state, clock), as many
     at once as there are CPU groups, the bar moved by the time each has had. A run that fails
@@ -204,60 +190,54 @@ def _run_all(waiting: list[tuple[str, int, Path]], config: QualityConfig, groups
     A stop signal (Ctrl-C, SIGTERM, SIGHUP) is passed on to the runs in flight, which stop as
     `xformer train` does (their folders are then stopped runs: moved away, trained again); the
     benchmark raises GridStopped once they have."""
-    waiting, free, flying, failed = list(waiting), list(groups), [], None
+    waiting, free, jobs, failed = list(waiting), list(groups), Jobs(), None
+    held = {}  # a job's key -> the CPUs it holds
+
+    def in_flight():
+        emit("training", {"name": ", ".join(job.key[2].name for job in jobs)})
+
     with StopSignals() as stops:
         try:
-            while waiting or flying:
+            while waiting or len(jobs):
                 while waiting and free and failed is None and not stops.received:
-                    flying.append(_start(*waiting.pop(0), config, free.pop(0)))
-                    emit("training", {"name": ", ".join(f.folder.name for f in flying)})
+                    system, seed, folder = waiting.pop(0)
+                    cpus = free.pop(0)
+                    held[(system, seed, folder)] = cpus
+                    jobs.start((system, seed, folder), *_command(system, seed, folder, config, cpus), append=True)
+                    in_flight()
                 time.sleep(1.0)
                 if stops.received:
-                    _stop(flying)
+                    jobs.stop()
                     stop_if_asked(stops)
                 now = time.perf_counter()
-                emit("tick", {"fraction": sum(min(1.0, (now - f.began) / (config.minutes * 60)) for f in flying)})
-                for flight in [f for f in flying if f.process.poll() is not None]:
-                    flying.remove(flight)
-                    free.append(flight.cpus)
-                    flight.log.close()
-                    if flight.process.returncode != 0:
-                        log = Path(flight.log.name)
-                        lines = [x for x in log.read_text().splitlines() if x.strip()]
-                        failed = failed or RunError(f"{flight.system} (seed {flight.seed}) stopped: "
-                                                    f"{lines[-1] if lines else flight.process.returncode}; see {log}")
+                emit("tick", {"fraction": sum(min(1.0, (now - job.began) / (config.minutes * 60)) for job in jobs)})
+                for job in jobs.ended():
+                    system, seed, folder = job.key
+                    free.append(held.pop(job.key))
+                    if job.process.returncode != 0:
+                        failed = failed or RunError(f"{system} (seed {seed}) stopped: {job.last_line()}; see {job.log}")
                         continue
-                    emit("trained", json.loads((flight.folder / "quality.json").read_text()))
-                    if flying:
-                        emit("training", {"name": ", ".join(f.folder.name for f in flying)})
+                    emit("trained", json.loads((folder / "quality.json").read_text()))
+                    if len(jobs):
+                        in_flight()
         finally:
-            _stop(flying)  # never leave a run training with no benchmark to read it
+            jobs.stop()  # never leave a run training with no benchmark to read it
     if failed is not None:
         raise failed
 
 
-def _stop(flying: list[_Flight]) -> None:
-    for flight in flying:
-        if flight.process.poll() is None:
-            flight.process.send_signal(signal.SIGTERM)
-    for flight in flying:
-        flight.process.wait()
-        flight.log.close()
-    flying.clear()
-
-
-def _start(system: str, seed: int, folder: Path, config: QualityConfig, cpus: list[int] | None) -> _Flight:
+def _command(system: str, seed: int, folder: Path, config: QualityConfig,
+             cpus: list[int] | None) -> tuple[list[str], Path, dict]:
     """`python -m xformer.bench.quality SYSTEM FIELDS`: trains (unless the run ended already), then
-    chooses the length penalty on validation and scores test; its stderr to folder's .log."""
+    chooses the length penalty on validation and scores test; its stderr to the folder's .log.
+    The command, the log and the environment (as many threads as `cpus`)."""
     command = [sys.executable, "-m", "xformer.bench.quality", system, json.dumps(
         {"recipe": str(config.recipe), "sets": config.sets, "seed": seed, "minutes": config.minutes,
          "device": config.device, "out": str(folder), "lenpens": config.lenpens, "cpus": cpus})]
     env = os.environ.copy()
     if cpus is not None:  # read by torch's thread pools as the interpreter starts
         env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = str(len(cpus))
-    log = open(folder.with_name(folder.name + ".log"), "a")  # noqa: SIM115 -- closed by _run_all
-    process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log, env=env)
-    return _Flight(process, system, seed, folder, cpus, log)
+    return command, folder.with_name(folder.name + ".log"), env
 
 
 def _select_and_score(system: str, recipe, folder: Path, lenpens: list[float], device: str) -> None:

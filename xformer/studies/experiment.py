@@ -40,9 +40,7 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -68,6 +66,7 @@ from xformer.studies.experiment_scoring import (
 )
 from xformer.studies.experiment_spec import Experiment, cooldown_start, load_experiment, run_key
 from xformer.studies.grid import check_grid_dir, pin, stop_if_asked, train_to_end
+from xformer.studies.jobs import Jobs
 from xformer.studies.reuse import copy_run, finished_runs, reused_branch, same_run
 from xformer.studies.sittings import Sitting
 from xformer.tasks import make_task
@@ -209,45 +208,30 @@ def _in_parallel(experiment: Experiment, out_dir: Path, plan: list[tuple[str, in
     waiting = [(cell, seed) for cell, seed in plan
                if not all(run_state(out_dir / "runs" / run_key(cell, seed, b)) == "trained"
                           for b in [0, *experiment.config.budgets[:-1]])]
-    running: dict[tuple[str, int], subprocess.Popen] = {}
+    pool = Jobs()
     emit("jobs", {"jobs": jobs, "threads": threads, "waiting": len(waiting)})
     try:
-        while waiting or running:
-            while waiting and len(running) < jobs and not stops.received:
+        while waiting or len(pool):
+            while waiting and len(pool) < jobs and not stops.received:
                 cell, seed = waiting.pop(0)
                 fields = {"spec": str(experiment.source), "overrides": experiment.overrides, "out": str(out_dir),
                           "cell": cell, "seed": seed, "device": device, "threads": threads,
                           "reuse": [str(f) for f in finished], "reporting": reporting.to_dict()}
-                log = out_dir / "runs" / f"{run_key(cell, seed)}.job.log"
-                log.parent.mkdir(parents=True, exist_ok=True)
-                with open(log, "w") as stderr:
-                    running[(cell, seed)] = subprocess.Popen(
-                        [sys.executable, "-m", "xformer.studies.experiment", json.dumps(fields)],
-                        stdout=subprocess.DEVNULL, stderr=stderr, env={**os.environ, "OMP_NUM_THREADS": str(threads)})
+                pool.start((cell, seed), [sys.executable, "-m", "xformer.studies.experiment", json.dumps(fields)],
+                           out_dir / "runs" / f"{run_key(cell, seed)}.job.log",
+                           {**os.environ, "OMP_NUM_THREADS": str(threads)})
                 emit("job_start", {"cell": cell, "seed": seed})
             if stops.received:
-                for process in running.values():  # each stops at a step boundary with its checkpoint
-                    process.send_signal(signal.SIGTERM)
-                for process in running.values():
-                    process.wait()
-                running.clear()
+                pool.stop()  # each stops at a step boundary with its checkpoint
                 stop_if_asked(stops)
-            for key, process in list(running.items()):
-                if process.poll() is None:
-                    continue
-                del running[key]
-                log = out_dir / "runs" / f"{run_key(*key)}.job.log"
-                if process.returncode != 0:
-                    lines = [x for x in log.read_text().splitlines() if x.strip()]
-                    raise RunError(f"{run_key(*key)}: its job stopped ({lines[-1] if lines else process.returncode}); "
-                                   f"see {log}")
-                log.unlink(missing_ok=True)
-                emit("job_end", {"cell": key[0], "seed": key[1]})
+            for job in pool.ended():
+                if job.process.returncode != 0:
+                    raise RunError(f"{run_key(*job.key)}: its job stopped ({job.last_line()}); see {job.log}")
+                job.log.unlink(missing_ok=True)
+                emit("job_end", {"cell": job.key[0], "seed": job.key[1]})
             time.sleep(0.2)
     finally:
-        for process in running.values():
-            process.send_signal(signal.SIGTERM)
-            process.wait()
+        pool.stop()
 
 
 def _branched(experiment: Experiment, out_dir: Path, cell: str, seed: int, budget: int, stable: dict, device: str,
