@@ -71,6 +71,21 @@ def inspect_heads_command(
     problems = config.problems()
     if problems:  # the core names HeadsConfig's fields; a CLI user typed flags
         raise RunError([as_flag(line) for line in problems])
+    progress, on_event = _phase_bar()
+    try:
+        with flags_named("importance", "save_pruned", "split", "data", "device"):
+            report = inspect_heads(run, config, on_event=on_event)
+    finally:
+        finish(progress)
+    if as_json:
+        typer.echo(report.to_json())
+        return
+    _print_report(report)
+
+
+def _phase_bar():
+    """A bar a phase (statistics, ablation, gradients, report), each with its ETA; and the event
+    handler that moves it."""
     progress = Progress(TextColumn("[bold]{task.description}"), BarColumn(), TaskProgressColumn(),
                         TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(), console=console)
     state = {"task": None}
@@ -87,14 +102,11 @@ def inspect_heads_command(
         elif kind == "advance":
             progress.update(state["task"], completed=payload["done"])
 
-    try:
-        with flags_named("importance", "save_pruned", "split", "data", "device"):
-            report = inspect_heads(run, config, on_event=on_event)
-    finally:
-        finish(progress)
-    if as_json:
-        typer.echo(report.to_json())
-        return
+    return progress, on_event
+
+
+def _print_report(report) -> None:
+    """The heads table, the rank correlations, the pruning result and where the report is."""
     stdout.print(heads_table(report))
     correlation = ", ".join(f"{k} {v:.2f}" for k, v in report.rank_correlation.items())
     stdout.print(f"Spearman rank correlation: {correlation}")
