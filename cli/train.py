@@ -11,6 +11,7 @@ from typing import Annotated
 import typer
 
 from xformer.config.loading import load_recipe
+from xformer.config.schema import Recipe
 from xformer.errors import RecipeError, RunError
 from xformer.train import run
 from xformer.training.cpuload import busy
@@ -65,16 +66,7 @@ def train(
     if init_checkpoint is not None and init_from is None:
         raise RunError("--init-checkpoint names a checkpoint of --init-from: give --init-from too")
     trackers = requested(report_to)  # one not installed: exit 2 before anything is read
-    sets, flags = list(overrides), {}
-    for key, value in (("precision", precision), ("max_steps", max_steps), ("max_time", max_time)):
-        if value is not None:
-            sets.append(f"train.{key}={json.dumps(getattr(value, 'value', value))}")
-            flags[f"--set train.{key}:"] = f"--{key.replace('_', '-')}:"
-    try:
-        cfg = load_recipe(recipe, sets)
-    except RecipeError as exc:  # a flag's bad value is named by the flag the user typed
-        raise RecipeError([next((flag + line[len(s):] for s, flag in flags.items() if line.startswith(s)), line)
-                           for line in exc.problems]) from None
+    cfg = _recipe(recipe, overrides, precision=precision, max_steps=max_steps, max_time=max_time)
     rank = int(os.environ.get("RANK", "0"))  # under torchrun, process 0 alone draws and prints
     with flags_named("device", "init_checkpoint"), TrainDisplay() as display:
         result = run(cfg, out or Path("runs") / recipe.stem, device=device, resume=resume, overwrite=overwrite,
@@ -83,14 +75,7 @@ def train(
                      init_checkpoint=init_checkpoint)
     if rank != 0:
         return
-    best = result.best or {}
-    summary = {"run": result.run_dir, "steps": result.steps, "epochs": round(result.epochs, 2),
-               "stopped by": result.stop_reason, "minutes": result.train_seconds / 60,
-               "best step": best.get("step"),
-               **{f"best valid {key}": best[key] for key in ("bleu", "accuracy") if key in best},
-               "best valid loss": best.get("loss"), "loop overhead %": 100 * result.loop_overhead,
-               "peak memory MB": result.peak_memory_mb if result.device.startswith("cuda") else "not measured",
-               "device": result.device, "precision": result.precision}
+    summary = _summary(result)
     if as_json:
         typer.echo(json.dumps(summary))
     else:
@@ -106,3 +91,30 @@ def train(
         # Ctrl-C says so to the shell (`train && eval` stops); a scheduler's SIGTERM or a
         # closed terminal is a clean stop with a checkpoint
         raise typer.Exit(130 if result.stop_signal in ("SIGINT", "") else 0)
+
+
+def _recipe(recipe: Path, overrides: list[str], **flags) -> Recipe:
+    """The recipe with --set and the flags that are shorthands for train.* values (--precision,
+    --max-steps, --max-time); a flag's bad value is named by the flag the user typed."""
+    sets, named = list(overrides), {}
+    for key, value in flags.items():
+        if value is not None:
+            sets.append(f"train.{key}={json.dumps(getattr(value, 'value', value))}")
+            named[f"--set train.{key}:"] = f"--{key.replace('_', '-')}:"
+    try:
+        return load_recipe(recipe, sets)
+    except RecipeError as exc:
+        raise RecipeError([next((flag + line[len(s):] for s, flag in named.items() if line.startswith(s)), line)
+                           for line in exc.problems]) from None
+
+
+def _summary(result) -> dict:
+    """What the run did, for the table (or --json) printed at its end."""
+    best = result.best or {}
+    return {"run": result.run_dir, "steps": result.steps, "epochs": round(result.epochs, 2),
+            "stopped by": result.stop_reason, "minutes": result.train_seconds / 60,
+            "best step": best.get("step"),
+            **{f"best valid {key}": best[key] for key in ("bleu", "accuracy") if key in best},
+            "best valid loss": best.get("loss"), "loop overhead %": 100 * result.loop_overhead,
+            "peak memory MB": result.peak_memory_mb if result.device.startswith("cuda") else "not measured",
+            "device": result.device, "precision": result.precision}
