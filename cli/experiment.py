@@ -42,6 +42,25 @@ def experiment(
     loaded = load_experiment(spec, overrides)
     out_dir = out or Path("runs") / spec.stem
     bar = GridBar("experiment")
+    on_event = _events(bar, out_dir)
+
+    try:
+        with bar:
+            result = run_experiment(loaded, out_dir, device=device, reuse=reuse, on_event=on_event, jobs=jobs,
+                                    report_to=trackers)
+    except (KeyboardInterrupt, GridStopped) as stop:
+        name = stop.signal if isinstance(stop, GridStopped) else "SIGINT"
+        typer.echo(f"stopped by {name}; run the same command again to continue the experiment in {out_dir}", err=True)
+        raise typer.Exit(130 if name == "SIGINT" else 0) from None  # as train: Ctrl-C 130, SIGTERM/SIGHUP 0
+    if as_json:
+        typer.echo(result.to_json(indent=None))
+        return
+    stdout.print(_cells_table(result))
+    stdout.print(f"[dim]{out_dir}/results.json, results.md, results.png[/dim]")
+
+
+def _events(bar: GridBar, out_dir: Path):
+    """The handler of run_experiment's events: the bar and its one-line messages."""
 
     def on_event(kind: str, payload: dict) -> None:
         if kind == "plan":  # finished runs report again (their scores), so the bar starts at 0
@@ -70,17 +89,11 @@ def experiment(
             bar.end(f"{payload['cell']} seed {payload['seed']}{at}: test {payload['metric']} {payload['test']:.2f}, "
                     f"{payload['steps']} steps")
 
-    try:
-        with bar:
-            result = run_experiment(loaded, out_dir, device=device, reuse=reuse, on_event=on_event, jobs=jobs,
-                                    report_to=trackers)
-    except (KeyboardInterrupt, GridStopped) as stop:
-        name = stop.signal if isinstance(stop, GridStopped) else "SIGINT"
-        typer.echo(f"stopped by {name}; run the same command again to continue the experiment in {out_dir}", err=True)
-        raise typer.Exit(130 if name == "SIGINT" else 0) from None  # as train: Ctrl-C 130, SIGTERM/SIGHUP 0
-    if as_json:
-        typer.echo(result.to_json(indent=None))
-        return
+    return on_event
+
+
+def _cells_table(result) -> Table:
+    """Each cell's test score over the seeds, against the baseline."""
     seeds = f"{len(result.seeds)} seed{'s' if len(result.seeds) > 1 else ''}"
     table = Table(title=f"test {result.metric}, mean +- std over {seeds}, "
                         f"{result.budget_per_run} per run", header_style="bold")
@@ -92,5 +105,4 @@ def experiment(
                       f"{c['difference']:+.2f}" if "difference" in c else "baseline",
                       f"{c['significant_seeds']} of {len(result.seeds)}" if "significant_seeds" in c else "",
                       f"{c['parameters']:,}")
-    stdout.print(table)
-    stdout.print(f"[dim]{out_dir}/results.json, results.md, results.png[/dim]")
+    return table
