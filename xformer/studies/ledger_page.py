@@ -47,62 +47,69 @@ def ledger_markdown(rows: list[dict]) -> str:
                      f"{_anchored(r)} | [`{r['name']}`](#{r['name']}) |")
     lines += _cost(rows)
     for r in rows:
-        lines += ["", f"## {r['name']}", "", f"> {r['says']}" + (f" ({r['source']})" if r["source"] else ""),
-                  "", f"Claim {r['number']} of the list.", ""]
-        on = ""
-        if r["verdict"] == "depends":  # on which part of the claim
-            parts = {v: "; ".join(c["check"] for c in r["checks"] if c["verdict"] == v)
-                     for v in ("supported", "contradicted")}
-            on = f" Supported: {parts['supported']}. Contradicted: {parts['contradicted']}."
-        lines.append(f"**Verdict: {r['verdict']}.**{on}" + (f" Scale: {r['scale']}" if r["scale"] else ""))
-        if r.get("untestable"):
-            lines += ["", "Not testable here: " + "; ".join(r["untestable"]) + f". Measured verdict, not given: "
-                          f"{r['measured_verdict']}."]
-        if r.get("anchor"):
-            lines += ["", f"Anchor: {r['anchor']}" + (f" Replication: {r['replication']['words']}."
-                                                      if r.get("replication") else "")]
-        if "convergence" in r:
-            lines += ["", f"Convergence: {r['convergence']['reason']}." + (
-                f" Measured verdict, not given: {r['measured_verdict']}." if r["verdict"] != r["measured_verdict"]
-                else "")]
-            lines += [f"- Flag: {f}" for f in r["flags"]]
-            if r["flags"] and r["looked"]:
-                lines += [f"- A second look found: {r['looked']}"]
-        if r.get("budgets"):
-            at = "; ".join(f"{b['budget']} steps: {b['verdict']}" for b in r["budgets"])
-            orders = {tuple(b["order"]) for b in r["budgets"]}
-            held = ("the cells' order (by mean test score) held at every budget" if len(orders) == 1 else
-                    "the cells' order changed: " + "; ".join(f"{b['budget']}: {' > '.join(b['order'])}"
-                                                             for b in r["budgets"]))
-            lines += ["", f"At every budget (judged at the largest): {at}; {held}.", "",
-                      f"![learning curves of {r['name']}]({r['curves_png']})"]
-        if "blocked" in r:
-            lines += ["", f"Not measurable yet: {r['blocked']}"]
-            continue
-        offline = " (offline: add `--set data.dataset=PATH/TO/multi30k`)" if r["corpus"] else ""
-        lines += ["", f"Experiment: `{r['spec']}`, {r['design']}.", "",
-                  f"Run: `xformer experiment {r['spec']} --out runs/claims/{r['name']} --reuse runs/claims`"
-                  f"{offline}; then "
-                  "`xformer claims` to regenerate this page."]
-        if "record" not in r:
-            lines += ["", "Not measured yet."]
-            if r.get("earlier"):
-                lines[-1] += (f" The record kept ({r['name']}.json) is of an earlier version of this spec "
-                              f"({r['earlier']}), so it is not judged.")
-            continue
-        rec = r["record"]
-        lines += ["", f"Settings: {_settings(r['differences'])}"]
-        hw = rec["hardware"]
-        lines += ["", f"Measured {rec['measured']} on {hw['cpu'] or 'an unnamed CPU'} ({hw['device']}, "
-                      f"{hw['precision']}, torch {hw['torch']}), {rec['train_minutes']:g} minutes of training "
-                      f"in all{_wall(rec.get('wall'))}.", "", markdown(ExperimentResult(**rec["results"])).rstrip()]
-        taught = {(t["run"], t["test"], t["steps"]) for t in (rec["results"].get("teachers") or {}).values()}
-        for run, test, steps in sorted(taught, key=str):
-            score = f"test {test:.2f}" if test is not None else "not scored"
-            lines += ["", f"Teacher: `{run}`, {score} after {steps} steps (the students learn from it)."]
-        lines += ["", "Checks:", ""]
-        lines += [f"- {c['check']}: **{c['verdict']}** ({c['reason']})" for c in r["checks"]]
+        lines += _section(r)
     return "\n".join(lines) + "\n"
+
+
+def _section(r: dict) -> list[str]:
+    """A claim's section: the claim, its verdict and why, the anchor, convergence and curves,
+    how to run it, and what was measured with its checks."""
+    lines = ["", f"## {r['name']}", "", f"> {r['says']}" + (f" ({r['source']})" if r["source"] else ""),
+              "", f"Claim {r['number']} of the list.", ""]
+    on = ""
+    if r["verdict"] == "depends":  # on which part of the claim
+        parts = {v: "; ".join(c["check"] for c in r["checks"] if c["verdict"] == v)
+                 for v in ("supported", "contradicted")}
+        on = f" Supported: {parts['supported']}. Contradicted: {parts['contradicted']}."
+    lines.append(f"**Verdict: {r['verdict']}.**{on}" + (f" Scale: {r['scale']}" if r["scale"] else ""))
+    if r.get("untestable"):
+        lines += ["", "Not testable here: " + "; ".join(r["untestable"]) + f". Measured verdict, not given: "
+                      f"{r['measured_verdict']}."]
+    if r.get("anchor"):
+        lines += ["", f"Anchor: {r['anchor']}" + (f" Replication: {r['replication']['words']}."
+                                                  if r.get("replication") else "")]
+    if "convergence" in r:
+        lines += ["", f"Convergence: {r['convergence']['reason']}." + (
+            f" Measured verdict, not given: {r['measured_verdict']}." if r["verdict"] != r["measured_verdict"]
+            else "")]
+        lines += [f"- Flag: {f}" for f in r["flags"]]
+        if r["flags"] and r["looked"]:
+            lines += [f"- A second look found: {r['looked']}"]
+    if r.get("budgets"):
+        at = "; ".join(f"{b['budget']} steps: {b['verdict']}" for b in r["budgets"])
+        orders = {tuple(b["order"]) for b in r["budgets"]}
+        held = ("the cells' order (by mean test score) held at every budget" if len(orders) == 1 else
+                "the cells' order changed: " + "; ".join(f"{b['budget']}: {' > '.join(b['order'])}"
+                                                         for b in r["budgets"]))
+        lines += ["", f"At every budget (judged at the largest): {at}; {held}.", "",
+                  f"![learning curves of {r['name']}]({r['curves_png']})"]
+    if "blocked" in r:
+        lines += ["", f"Not measurable yet: {r['blocked']}"]
+        return lines
+    offline = " (offline: add `--set data.dataset=PATH/TO/multi30k`)" if r["corpus"] else ""
+    lines += ["", f"Experiment: `{r['spec']}`, {r['design']}.", "",
+              f"Run: `xformer experiment {r['spec']} --out runs/claims/{r['name']} --reuse runs/claims`"
+              f"{offline}; then "
+              "`xformer claims` to regenerate this page."]
+    if "record" not in r:
+        lines += ["", "Not measured yet."]
+        if r.get("earlier"):
+            lines[-1] += (f" The record kept ({r['name']}.json) is of an earlier version of this spec "
+                          f"({r['earlier']}), so it is not judged.")
+        return lines
+    rec = r["record"]
+    lines += ["", f"Settings: {_settings(r['differences'])}"]
+    hw = rec["hardware"]
+    lines += ["", f"Measured {rec['measured']} on {hw['cpu'] or 'an unnamed CPU'} ({hw['device']}, "
+                  f"{hw['precision']}, torch {hw['torch']}), {rec['train_minutes']:g} minutes of training "
+                  f"in all{_wall(rec.get('wall'))}.", "", markdown(ExperimentResult(**rec["results"])).rstrip()]
+    taught = {(t["run"], t["test"], t["steps"]) for t in (rec["results"].get("teachers") or {}).values()}
+    for run, test, steps in sorted(taught, key=str):
+        score = f"test {test:.2f}" if test is not None else "not scored"
+        lines += ["", f"Teacher: `{run}`, {score} after {steps} steps (the students learn from it)."]
+    lines += ["", "Checks:", ""]
+    lines += [f"- {c['check']}: **{c['verdict']}** ({c['reason']})" for c in r["checks"]]
+    return lines
 
 
 def _wall(wall: dict | None) -> str:
