@@ -104,31 +104,12 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
                           "(a recipe runs with `xformer train`)")
     problems = [f"{path}: {k}: unknown table{did_you_mean(k, TABLES)}" for k in raw if k not in TABLES]
     table = dict(raw["experiment"])
-    recipe_sets = []
-    for item in overrides:  # experiment.KEY=VALUE changes the spec (a budget, the seeds); the rest every recipe
-        if not item.strip().startswith("experiment."):
-            recipe_sets.append(item)
-            continue
-        try:
-            _, name, value = parse_override(item)
-        except RecipeError as exc:
-            problems += exc.problems
-            continue
-        if name in ("cells", "recipe", "set"):
-            problems.append(f"--set {item}: experiment.{name} cannot be set from the command line; "
-                            "write another spec")
-        else:
-            table[name] = value
+    recipe_sets = _apply_overrides(table, overrides, problems)
     cells = table.pop("cells", {})
     if not isinstance(cells, dict) or not cells:
         problems.append(f"{path}: experiment.cells: expected a table of name = [\"section.key=value\", ...]")
         cells = {}
-    for name, sets in cells.items():
-        if not CELL_NAME.fullmatch(name):
-            problems.append(f"{path}: experiment.cells.{name}: expected a name of lowercase letters, digits, _ and .")
-        if not isinstance(sets, list) or not all(isinstance(s, str) for s in sets):
-            problems.append(f"{path}: experiment.cells.{name}: expected a list of \"section.key=value\" strings, "
-                            f"found {sets!r}")
+    problems += _cell_problems(path, cells)
     local: list[str] = []
     config, typed = section_from_dict(ExperimentConfig, "experiment", table, local)
     if typed:
@@ -155,6 +136,39 @@ def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     if problems:
         raise RecipeError(list(dict.fromkeys(problems)))
     return experiment
+
+
+def _apply_overrides(table: dict, overrides: list[str], problems: list[str]) -> list[str]:
+    """experiment.KEY=VALUE changes the spec's table (a budget, the seeds); the rest are returned,
+    recipe overrides for every cell. What cannot be set is added to `problems`."""
+    recipe_sets = []
+    for item in overrides:  # experiment.KEY=VALUE changes the spec (a budget, the seeds); the rest every recipe
+        if not item.strip().startswith("experiment."):
+            recipe_sets.append(item)
+            continue
+        try:
+            _, name, value = parse_override(item)
+        except RecipeError as exc:
+            problems += exc.problems
+            continue
+        if name in ("cells", "recipe", "set"):
+            problems.append(f"--set {item}: experiment.{name} cannot be set from the command line; "
+                            "write another spec")
+        else:
+            table[name] = value
+    return recipe_sets
+
+
+def _cell_problems(path: Path, cells: dict) -> list[str]:
+    """Cell names and their override lists, checked."""
+    problems = []
+    for name, sets in cells.items():
+        if not CELL_NAME.fullmatch(name):
+            problems.append(f"{path}: experiment.cells.{name}: expected a name of lowercase letters, digits, _ and .")
+        if not isinstance(sets, list) or not all(isinstance(s, str) for s in sets):
+            problems.append(f"{path}: experiment.cells.{name}: expected a list of \"section.key=value\" strings, "
+                            f"found {sets!r}")
+    return problems
 
 
 def run_key(cell: str, seed: int, budget: int = 0) -> str:
