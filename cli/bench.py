@@ -9,7 +9,7 @@ import typer
 from rich.table import Table
 
 from xformer.bench.peers import PEERS, bench_peers
-from xformer.bench.quality import LENPENS, SYSTEMS, QualityBench, QualityConfig, bench_quality
+from xformer.bench.quality import LENPENS, SYSTEMS, QualityBench, QualityConfig, bench_quality, quality_markdown
 from xformer.bench.speed import (
     AttentionBench,
     AttentionBenchConfig,
@@ -317,6 +317,7 @@ def quality(
                        f"move their folders in {out} away and run the same command again", err=True)
             raise typer.Exit(130 if name == "SIGINT" else 0) from None
     atomic_write_text(out / "quality.json", result.to_json())
+    atomic_write_text(out / "quality.md", quality_markdown(result))
     if as_json:
         typer.echo(result.to_json(indent=None))
         return

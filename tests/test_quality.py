@@ -243,5 +243,14 @@ def test_bench_quality_trains_both_scores_test_once_and_resumes(corpus, tmp_path
     trained = json.loads((tmp_path / "q" / "xformer-seed1" / "train.json").read_text())
     assert trained["stop_reason"] == "max_time"
     assert set(report["paired"]) == {"marian", "marian_wsd"} and report["paired"]["marian"][0]["seed"] == 1
+    # the budget's regularisation, as train.json explains it, beside xformer's row; the peers train as they were run
+    chosen = trained["regularisation"]["chosen"]
+    assert [r["regularisation"] for r in report["runs"]][1:] == ["", ""]
+    assert report["runs"][0]["regularisation"].startswith(f"dropout {chosen['model.dropout']:g}, ")
+    page = (tmp_path / "q" / "quality.md").read_text().splitlines()
+    rows = [line for line in page if line.startswith("| xformer | 1 |") or line.startswith("| marian")]
+    assert len(rows) == 3 + 2  # a row a run, and a mean a peer
+    assert f"**{report['runs'][0]['test_bleu']:.2f}**" in rows[0] and report["runs"][0]["regularisation"] in rows[0]
+    assert any(line.startswith("xformer against marian, paired bootstrap") for line in page)
     again = runner.invoke(app, command)  # the table this time
     assert again.exit_code == 0 and "3 runs, 3 done already" in again.output

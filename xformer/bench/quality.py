@@ -266,8 +266,45 @@ def _select_and_score(system: str, recipe, folder: Path, lenpens: list[float], d
               "valid_bleu": best.get("bleu"), "valid_beam_bleu": {f"{k:g}": v for k, v in on_valid.items()},
               "lenpen": lenpen,
               "test_bleu": tested["bleu"], "test_chrf": tested["chrf"],
+              "regularisation": _regularisation(trained.get("regularisation")),
               "hypotheses": f"{folder.name}/test.hyp", "references": f"{folder.name}/test.ref"}
     atomic_write_text(folder / "quality.json", json.dumps(record, indent=2))
+
+
+def _regularisation(record: dict | None) -> str:
+    """train.json's regularisation = "budget" choice in words ("" for a recipe's own values)."""
+    if not record:
+        return ""
+    chosen = ", ".join(f"{k.split('.')[1]} {v:g}" for k, v in record["chosen"].items())
+    return f"{chosen} ({record['expected_epochs']:.1f} epochs expected)"
+
+
+def quality_markdown(result: QualityBench) -> str:
+    """The side-by-side as a Markdown page (quality.md beside quality.json): a row a run, each
+    system's mean, and xformer's paired tests against each peer."""
+    c = result.config
+    machine = ", ".join(sorted({r["cpu"] for r in result.runs if r.get("cpu")})) or "CPU not recorded"
+    threads = "/".join(str(t) for t in sorted({r["threads"] for r in result.runs if r.get("threads")})) or "?"
+    lines = [f"# {Path(c['recipe']).name}: xformer against HF Marian, {c['minutes']:g} minutes a run", "",
+             f"Machine: {machine}; {threads} thread(s) a run, {c['jobs']} run(s) at once; device {c['device']}.", "",
+             "| system | seed | precision | steps (epochs) | regularisation | best step | valid greedy | lenpen | "
+             "valid beam | test2016 BLEU | chrF |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in result.runs:
+        beam = r["valid_beam_bleu"][f"{r['lenpen']:g}"]
+        lines.append(f"| {r['system']} | {r['seed']} | {r['precision']} | {r['steps']:,} ({r['epochs']:.1f}) | "
+                     f"{r.get('regularisation') or 'as the recipe'} | {r['best_step']:,} | {r['valid_bleu']:.2f} | "
+                     f"{r['lenpen']:g} | {beam:.2f} | **{r['test_bleu']:.2f}** | "
+                     f"{r['test_chrf']:.2f} |")
+    lines += ["", "| system | mean test2016 BLEU | sd | seeds |", "|---|---|---|---|"]
+    for system, m in result.means.items():
+        sd = f"{m['spread']:.2f}" if m["spread"] is not None else "-"
+        lines.append(f"| {system} | {m['test_bleu']:.2f} | {sd} | {m['seeds']} |")
+    for peer, tests in result.paired.items():
+        lines += ["", f"xformer against {peer}, paired bootstrap (sacreBLEU) seed by seed: " + "; ".join(
+            f"seed {t['seed']} {t['difference']:+.2f} (p {t['p_value']:.3f})" for t in tests) + "."]
+    lines += ["", "The checkpoint is chosen by greedy validation BLEU, the length penalty by beam validation "
+                  "BLEU; test2016 (cased sacreBLEU) is scored once, with both."]
+    return "\n".join(lines) + "\n"
 
 
 def _main(system: str, fields: dict) -> None:
