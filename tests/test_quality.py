@@ -254,3 +254,13 @@ def test_bench_quality_trains_both_scores_test_once_and_resumes(corpus, tmp_path
     assert any(line.startswith("xformer against marian, paired bootstrap") for line in page)
     again = runner.invoke(app, command)  # the table this time
     assert again.exit_code == 0 and "3 runs, 3 done already" in again.output
+    # a call for one system reports the whole folder: a benchmark is filled a sitting at a time
+    one = runner.invoke(app, [*command, "--system", "marian", "--json"])
+    assert one.exit_code == 0, one.output
+    assert json.loads(one.stdout)["runs"] == report["runs"] and json.loads(one.stdout)["paired"] == report["paired"]
+    # under another protocol (here the budget) nothing trains into the same folder
+    other = [*command[:command.index("--minutes")], "--minutes", "0.2", *command[command.index("--minutes") + 2:]]
+    refused = runner.invoke(app, other)
+    assert refused.exit_code == 2 and "minutes 0.1 there, 0.2 here" in refused.output
+    assert sorted(p.name for p in (tmp_path / "q").iterdir() if p.is_dir()) == \
+        ["marian-seed1", "marian_wsd-seed1", "xformer-seed1"]

@@ -28,11 +28,16 @@ Fair both ways, by construction rather than by care:
   and penalty. Paired bootstrap (sacreBLEU) of xformer against each peer, seed by seed;
 - the same machine: the output folder keeps the CPU, CPU count, torch, device and jobs of its
   first call (machine.json), and a later call on another machine, or with other jobs, is refused rather
-  than mixed into one side-by-side.
+  than mixed into one side-by-side;
+- the same protocol: it keeps the recipe (its name and digest), the overrides, the minutes and
+  the length penalties too (protocol.json), refused alike when they differ.
+A folder is one benchmark, filled a sitting at a time (--seed and --system pick what a call
+trains); every call reports every scored run in it.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import statistics
@@ -108,6 +113,7 @@ def bench_quality(config: QualityConfig, out_dir: str | Path, *, on_event: Event
                            "it again")
     out_dir.mkdir(parents=True, exist_ok=True)
     _pin_machine(out_dir, config)
+    _pin_protocol(out_dir, config)
     # seed by seed, the first two systems (xformer and a peer) side by side; the other peers after
     order = [(s, seed) for seed in config.seeds for s in config.systems[:2]] + \
         [(s, seed) for s in config.systems[2:] for seed in config.seeds]
@@ -118,20 +124,31 @@ def bench_quality(config: QualityConfig, out_dir: str | Path, *, on_event: Event
         if (folder / "quality.json").is_file():
             emit("trained", json.loads((folder / "quality.json").read_text()))
     _run_all(waiting, config, groups, emit)
-    runs = [json.loads((folder / "quality.json").read_text()) for _, _, folder in folders]
+    return quality_report(out_dir, config)
+
+
+def quality_report(out_dir: Path, config: QualityConfig) -> QualityBench:
+    """The side-by-side of every scored run in `out_dir`, not only this call's: a folder is one
+    benchmark (one machine, one protocol, both pinned), filled a sitting at a time with --seed and
+    --system. Each system's mean over its seeds; xformer against each peer, paired seed by seed
+    wherever both scored that seed."""
+    runs = [json.loads(path.read_text()) for path in out_dir.glob("*-seed*/quality.json")]
+    runs = sorted((r for r in runs if r["system"] in SYSTEMS), key=lambda r: (r["seed"], SYSTEMS.index(r["system"])))
     means = {}
-    for system in config.systems:
+    for system in (s for s in SYSTEMS if any(r["system"] == s for r in runs)):
         scores = [r["test_bleu"] for r in runs if r["system"] == system]
         means[system] = {"test_bleu": statistics.mean(scores),
                          "spread": statistics.stdev(scores) if len(scores) > 1 else None, "seeds": len(scores)}
+    scored = {(r["system"], r["seed"]) for r in runs}
     paired = {}
-    if "xformer" in config.systems:
-        for peer in (s for s in config.systems if s != "xformer"):
+    for peer in (s for s in means if s != "xformer"):
+        seeds = sorted(seed for system, seed in scored if system == peer and ("xformer", seed) in scored)
+        if seeds:
             paired[peer] = []
-            for seed in config.seeds:
-                ours, theirs = (_recorded(out_dir, s, seed, "hypotheses") for s in ("xformer", peer))
-                refs = _recorded(out_dir, "xformer", seed, "references")
-                paired[peer].append({"seed": seed, **paired_bleu(ours, theirs, refs).to_dict()})
+        for seed in seeds:
+            ours, theirs = (_recorded(out_dir, s, seed, "hypotheses") for s in ("xformer", peer))
+            refs = _recorded(out_dir, "xformer", seed, "references")
+            paired[peer].append({"seed": seed, **paired_bleu(ours, theirs, refs).to_dict()})
     slim = [{k: v for k, v in r.items() if k != "references"} for r in runs]
     return QualityBench(config=vars(config), runs=slim, means=means, paired=paired)
 
@@ -164,6 +181,25 @@ def _pin_machine(out_dir: Path, config: QualityConfig) -> None:
     if differs:
         raise RunError(f"{pinned}: this benchmark's runs were measured with another machine or setting "
                        f"({'; '.join(differs)}); measure this one into another --out")
+
+
+def _pin_protocol(out_dir: Path, config: QualityConfig) -> None:
+    """Record the protocol of the folder's first call (the recipe's text, its overrides, the
+    minutes and the length penalties), and refuse another: runs trained under two protocols
+    are not one side-by-side. Seeds and systems may differ from call to call."""
+    text = Path(config.recipe).read_bytes()
+    here = {"recipe": Path(config.recipe).name, "recipe_sha256": hashlib.sha256(text).hexdigest(),
+            "sets": sorted(config.sets), "minutes": config.minutes, "lenpens": sorted(config.lenpens)}
+    pinned = out_dir / "protocol.json"
+    if not pinned.is_file():
+        atomic_write_text(pinned, json.dumps(here, indent=2))
+        return
+    there = json.loads(pinned.read_text())
+    differs = [key for key, value in here.items() if there.get(key) != value]
+    if differs:
+        raise RunError(f"{pinned}: this benchmark's runs were trained under another protocol "
+                       f"({', '.join(f'{k} {there.get(k)!r} there, {here[k]!r} here' for k in differs)}); "
+                       "measure this one into another --out")
 
 
 def _ended(folder: Path) -> bool:

@@ -12,9 +12,10 @@ arXiv:2305.13245).
 
 Two paths compute the same thing and are tested to agree (model/kernels.py):
 `explicit_attention`, written out so it can return the probabilities (head inspection needs
-them), and PyTorch's fused `scaled_dot_product_attention`; flex is a third (model/flex.py). Both take a boolean mask (True = may attend) and an additive
-float score bias (ALiBi, T5's relative bias); only the explicit path takes a score hook (top-k),
-so MultiHeadAttention sends a module with one there whatever its backend.
+them), and PyTorch's fused `scaled_dot_product_attention`; flex is a third (model/flex.py). All
+take a boolean mask (True = may attend) and an additive float score bias (ALiBi, T5's relative
+bias); only the explicit path takes a score hook (top-k), so MultiHeadAttention sends a module
+with one there whatever its backend.
 """
 
 from __future__ import annotations
