@@ -14,9 +14,13 @@ trainer works out the epochs it will train and takes the row of RULE for them:
                                             then the time left at that pace (validation every
                                             valid_every steps included); the RNG is put back after
 
-The earliest limit wins. The choice is made once, by process 0 under torchrun, and written into
-the run's recipe.toml (the values the model trained with) and train.json's "regularisation"
-(the epochs expected, how they were estimated, the row taken); a resumed run keeps it.
+The earliest limit wins. Epochs are counted in batches of the corpus as the recipe tokenises it
+before the rule (the flagship: no subword sampling), the units the study labelled its step
+budgets in; a run whose row turns sampling on trains ~15% fewer epochs of its own, longer,
+sampled batches than train.json expects. The choice is made once, by process 0 under torchrun,
+and written into the run's recipe.toml (the values the model trained with) and train.json's
+"regularisation" (the epochs expected, how they were estimated, the row taken); a resumed run
+keeps it.
 
 RULE's rows come from the budget study (recipes/studies/flagship_budget.toml, docs/results.md):
 validation BLEU of the flagship's wsd runs at ~8, 16 and 31 epochs, light regularisation ahead
