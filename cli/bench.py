@@ -324,6 +324,10 @@ def quality(
     stdout.print(quality_table(result))
 
 
+def _bleu(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
+
+
 def quality_table(result: QualityBench) -> Table:
     minutes, jobs = result.config["minutes"], result.config["jobs"]
     precisions = ", ".join(sorted({f"{r['system']} {r['precision']}" for r in result.runs}))
@@ -332,15 +336,16 @@ def quality_table(result: QualityBench) -> Table:
     shared = f", {jobs} runs at once" if jobs > 1 else ""
     table = Table(title=f"{minutes:g} minutes a run ({precisions}; {threads or '?'} threads a run{shared}; "
                         f"{machine or 'CPU not recorded'})", header_style="bold")
-    for column in ("system", "seed", "steps", "epochs", "best", "valid", "lenpen", "beam", "test", "chrF"):
+    for column in ("system", "seed", "steps", "epochs", "best", "valid", "last", "lenpen", "beam", "test",
+                   "chrF"):
         table.add_column(column, justify="left" if column == "system" else "right")
     for r in result.runs:
         chosen = r["valid_beam_bleu"][f"{r['lenpen']:g}"]
         table.add_row(r["system"], str(r["seed"]), f"{r['steps']:,}", f"{r['epochs']:.1f}", f"{r['best_step']:,}",
-                      f"{r['valid_bleu']:.2f}", f"{r['lenpen']:g}", f"{chosen:.2f}", f"{r['test_bleu']:.2f}",
-                      f"{r['test_chrf']:.2f}")
-    lines = ["best: the step chosen by greedy validation BLEU (valid); lenpen chosen by beam validation BLEU "
-             "(beam); test: cased sacreBLEU, scored once"]
+                      f"{r['valid_bleu']:.2f}", _bleu(r.get("last_valid_bleu")), f"{r['lenpen']:g}", f"{chosen:.2f}",
+                      f"{r['test_bleu']:.2f}", f"{r['test_chrf']:.2f}")
+    lines = ["best: the step chosen by greedy validation BLEU (valid); last: greedy validation BLEU where the "
+             "budget ended; lenpen chosen by beam validation BLEU (beam); test: cased sacreBLEU, scored once"]
     for system, m in result.means.items():
         spread = f" (sd {m['spread']:.2f})" if m["spread"] is not None else ""
         lines.append(f"{system}: mean test BLEU {m['test_bleu']:.2f} over {m['seeds']} seed(s){spread}")

@@ -108,6 +108,26 @@ def test_bench_quality_refuses_bad_input_before_it_trains(corpus, tmp_path):
     assert half.is_dir()  # never removed for the user
 
 
+def test_a_run_scored_before_the_last_validation_was_kept_reads_it_from_its_log(tmp_path):
+    """A record's quality.json without last_valid_bleu: the report takes the last "valid" line
+    of the run's metrics.jsonl, not the best one nor a training line."""
+    run = tmp_path / "marian-seed1"
+    run.mkdir()
+    lines = [{"kind": "valid", "step": 100, "bleu": 30.5}, {"kind": "valid", "step": 200, "bleu": 31.25},
+             {"kind": "valid", "step": 300, "bleu": 30.75}, {"kind": "train", "step": 310, "loss": 2.0}]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in lines))
+    scored = {"system": "marian", "seed": 1, "steps": 310, "epochs": 1.0, "precision": "fp32", "best_step": 200,
+              "valid_bleu": 31.25, "valid_beam_bleu": {"1": 32.0}, "lenpen": 1.0, "test_bleu": 30.0,
+              "test_chrf": 50.0, "hypotheses": "marian-seed1/test.hyp", "regularisation": ""}
+    (run / "quality.json").write_text(json.dumps(scored))
+    report = quality.quality_report(tmp_path, quality.QualityConfig(recipe=str(RECIPE)))
+    assert report.runs[0]["last_valid_bleu"] == 30.75
+    assert "| 31.25 / 30.75 |" in quality.quality_markdown(report)
+    (run / "metrics.jsonl").unlink()  # no log at all: said, not invented
+    assert quality.quality_report(tmp_path, quality.QualityConfig(recipe=str(RECIPE))).runs[0]["last_valid_bleu"] \
+        is None
+
+
 def test_runs_at_once_share_the_cpus_equally_and_never_overlap(monkeypatch):
     monkeypatch.setattr(quality.os, "sched_getaffinity", lambda pid: {7, 2, 3, 5, 4})
     assert cpu_groups(1) == [None]  # one at a time keeps what it inherits
@@ -242,6 +262,9 @@ def test_bench_quality_trains_both_scores_test_once_and_resumes(corpus, tmp_path
         assert len(hyps) == 40
     trained = json.loads((tmp_path / "q" / "xformer-seed1" / "train.json").read_text())
     assert trained["stop_reason"] == "max_time"
+    for run in report["runs"]:  # where the budget ended, beside the best: the run's own last validation
+        logged = (tmp_path / "q" / f"{run['system']}-seed1" / "metrics.jsonl").read_text().splitlines()
+        assert run["last_valid_bleu"] == [json.loads(m) for m in logged if '"valid"' in m][-1]["bleu"]
     assert set(report["paired"]) == {"marian", "marian_wsd"} and report["paired"]["marian"][0]["seed"] == 1
     # the budget's regularisation, as train.json explains it, beside xformer's row; the peers train as they were run
     chosen = trained["regularisation"]["chosen"]
@@ -251,6 +274,7 @@ def test_bench_quality_trains_both_scores_test_once_and_resumes(corpus, tmp_path
     rows = [line for line in page if line.startswith("| xformer | 1 |") or line.startswith("| marian")]
     assert len(rows) == 3 + 2  # a row a run, and a mean a peer
     assert f"**{report['runs'][0]['test_bleu']:.2f}**" in rows[0] and report["runs"][0]["regularisation"] in rows[0]
+    assert f"| {report['runs'][0]['valid_bleu']:.2f} / {report['runs'][0]['last_valid_bleu']:.2f} |" in rows[0]
     assert any(line.startswith("xformer against marian, paired bootstrap") for line in page)
     again = runner.invoke(app, command)  # the table this time
     assert again.exit_code == 0 and "3 runs, 3 done already" in again.output

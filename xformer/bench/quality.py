@@ -86,7 +86,8 @@ class QualityBench(Result):
 
     config: dict
     runs: list[dict]  # {"system", "seed", "steps", "epochs", "train_seconds", "precision", "cpu", "threads",
-    #                    "cpus", "best_step", "valid_bleu" (greedy, the best checkpoint), "lenpen", "valid_beam_bleu",
+    #                    "cpus", "best_step", "valid_bleu" (greedy, the best checkpoint), "last_valid_bleu" (greedy,
+    #                    the last validation: where the budget ended), "lenpen", "valid_beam_bleu",
     #                    "test_bleu", "test_chrf", "hypotheses"}
     means: dict  # system -> {"test_bleu", "spread"} over seeds
     paired: dict  # peer -> [paired_bleu of xformer against it, one per seed]
@@ -134,6 +135,8 @@ def quality_report(out_dir: Path, config: QualityConfig) -> QualityBench:
     wherever both scored that seed."""
     runs = [json.loads(path.read_text()) for path in out_dir.glob("*-seed*/quality.json")]
     runs = sorted((r for r in runs if r["system"] in SYSTEMS), key=lambda r: (r["seed"], SYSTEMS.index(r["system"])))
+    for r in runs:  # scored before quality.json kept it: the run's own validation log has it
+        r.setdefault("last_valid_bleu", last_valid_bleu(out_dir / f"{r['system']}-seed{r['seed']}"))
     means = {}
     for system in (s for s in SYSTEMS if any(r["system"] == s for r in runs)):
         scores = [r["test_bleu"] for r in runs if r["system"] == system]
@@ -299,12 +302,22 @@ def _select_and_score(system: str, recipe, folder: Path, lenpens: list[float], d
     record = {"system": system, "seed": recipe.train.seed, "steps": steps, "epochs": epochs,
               "train_seconds": seconds, "precision": precision, "cpu": cpu_name(),
               "threads": torch.get_num_threads(), "cpus": sorted(os.sched_getaffinity(0)), "best_step": best["step"],
-              "valid_bleu": best.get("bleu"), "valid_beam_bleu": {f"{k:g}": v for k, v in on_valid.items()},
+              "valid_bleu": best.get("bleu"), "last_valid_bleu": last_valid_bleu(folder),
+              "valid_beam_bleu": {f"{k:g}": v for k, v in on_valid.items()},
               "lenpen": lenpen,
               "test_bleu": tested["bleu"], "test_chrf": tested["chrf"],
               "regularisation": _regularisation(trained.get("regularisation")),
               "hypotheses": f"{folder.name}/test.hyp", "references": f"{folder.name}/test.ref"}
     atomic_write_text(folder / "quality.json", json.dumps(record, indent=2))
+
+
+def last_valid_bleu(folder: Path) -> float | None:
+    """Greedy validation BLEU at the run's last validation (metrics.jsonl): how far from its best
+    the run ended, which a schedule that ends with its budget keeps small."""
+    path = folder / "metrics.jsonl"
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+    valid = [m for m in lines if m.get("kind") == "valid" and m.get("bleu") is not None]
+    return valid[-1]["bleu"] if valid else None
 
 
 def _regularisation(record: dict | None) -> str:
@@ -328,12 +341,14 @@ def quality_markdown(result: QualityBench) -> str:
     threads = "/".join(str(t) for t in sorted({r["threads"] for r in result.runs if r.get("threads")})) or "?"
     lines = [f"# {Path(c['recipe']).name}: xformer against HF Marian, {c['minutes']:g} minutes a run", "",
              f"Machine: {machine}; {threads} thread(s) a run, {c['jobs']} run(s) at once; device {c['device']}.", "",
-             "| system | seed | precision | steps (epochs) | regularisation | best step | valid greedy | lenpen | "
+             "| system | seed | precision | steps (epochs) | regularisation | best step | valid greedy best / last | "
+             "lenpen | "
              "valid beam | test2016 BLEU | chrF |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in result.runs:
         beam = r["valid_beam_bleu"][f"{r['lenpen']:g}"]
         lines.append(f"| {r['system']} | {r['seed']} | {r['precision']} | {r['steps']:,} ({r['epochs']:.1f}) | "
-                     f"{r.get('regularisation') or _own(r['system'])} | {r['best_step']:,} | {r['valid_bleu']:.2f} | "
+                     f"{r.get('regularisation') or _own(r['system'])} | {r['best_step']:,} | {r['valid_bleu']:.2f} / "
+                     f"{_number(r.get('last_valid_bleu'))} | "
                      f"{r['lenpen']:g} | {beam:.2f} | **{r['test_bleu']:.2f}** | "
                      f"{r['test_chrf']:.2f} |")
     lines += ["", "| system | mean test2016 BLEU | sd | seeds |", "|---|---|---|---|"]
@@ -346,6 +361,10 @@ def quality_markdown(result: QualityBench) -> str:
     lines += ["", "The checkpoint is chosen by greedy validation BLEU, the length penalty by beam validation "
                   "BLEU; test2016 (cased sacreBLEU) is scored once, with both."]
     return "\n".join(lines) + "\n"
+
+
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}"
 
 
 def _main(system: str, fields: dict) -> None:
