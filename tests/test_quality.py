@@ -192,7 +192,9 @@ def test_a_stop_signal_stops_the_runs_in_flight_and_leaves_none_behind(corpus, t
     sent = []
 
     def on_event(kind, payload):
-        if kind == "tick" and payload["fraction"] >= 0.4 and not sent:  # both runs ~6 s into their 30
+        # both runs begun (under load the second can start late, and the sum be the first's alone), ~6 s in
+        began = all((out / f"xformer-seed{seed}").is_dir() for seed in (1, 2))
+        if kind == "tick" and payload["fraction"] >= 0.4 and began and not sent:
             sent.append(True)
             os.kill(os.getpid(), signal.SIGTERM)
 
