@@ -54,7 +54,7 @@ def test_the_ledger_chain_resumes_from_committed_records_without_retraining(tmp_
     specs.mkdir()
     (specs / "depth.toml").write_text(SPEC)
     env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
-           "SPECS": "missing depth", "SPEC_DIR": str(specs), "LEDGER": str(ledger), "JOBS": "1",
+           "SPECS": "missing depth", "SPEC_DIR": str(specs), "LEDGER": str(ledger), "JOBS": "2",
            "ARCHIVE": str(tmp_path / "archive")}
 
     def chain(runs):
