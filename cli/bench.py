@@ -9,7 +9,15 @@ import typer
 from rich.table import Table
 
 from xformer.bench.peers import PEERS, bench_peers
-from xformer.bench.quality import LENPENS, SYSTEMS, QualityBench, QualityConfig, bench_quality, quality_markdown
+from xformer.bench.quality import (
+    LENPENS,
+    SYSTEMS,
+    QualityBench,
+    QualityConfig,
+    bench_quality,
+    bleu_text,
+    quality_markdown,
+)
 from xformer.bench.speed import (
     AttentionBench,
     AttentionBenchConfig,
@@ -324,10 +332,6 @@ def quality(
     stdout.print(quality_table(result))
 
 
-def _bleu(value: float | None) -> str:
-    return "-" if value is None else f"{value:.2f}"
-
-
 def quality_table(result: QualityBench) -> Table:
     minutes, jobs = result.config["minutes"], result.config["jobs"]
     precisions = ", ".join(sorted({f"{r['system']} {r['precision']}" for r in result.runs}))
@@ -342,8 +346,8 @@ def quality_table(result: QualityBench) -> Table:
     for r in result.runs:
         chosen = r["valid_beam_bleu"][f"{r['lenpen']:g}"]
         table.add_row(r["system"], str(r["seed"]), f"{r['steps']:,}", f"{r['epochs']:.1f}", f"{r['best_step']:,}",
-                      f"{r['valid_bleu']:.2f}", _bleu(r.get("last_valid_bleu")), f"{r['lenpen']:g}", f"{chosen:.2f}",
-                      f"{r['test_bleu']:.2f}", f"{r['test_chrf']:.2f}")
+                      f"{r['valid_bleu']:.2f}", bleu_text(r.get("last_valid_bleu")), f"{r['lenpen']:g}",
+                      f"{chosen:.2f}", f"{r['test_bleu']:.2f}", f"{r['test_chrf']:.2f}")
     lines = ["best: the step chosen by greedy validation BLEU (valid); last: greedy validation BLEU where the "
              "budget ended; lenpen chosen by beam validation BLEU (beam); test: cased sacreBLEU, scored once"]
     for system, m in result.means.items():

@@ -348,7 +348,7 @@ def quality_markdown(result: QualityBench) -> str:
         beam = r["valid_beam_bleu"][f"{r['lenpen']:g}"]
         lines.append(f"| {r['system']} | {r['seed']} | {r['precision']} | {r['steps']:,} ({r['epochs']:.1f}) | "
                      f"{r.get('regularisation') or _own(r['system'])} | {r['best_step']:,} | {r['valid_bleu']:.2f} / "
-                     f"{_number(r.get('last_valid_bleu'))} | "
+                     f"{bleu_text(r.get('last_valid_bleu'))} | "
                      f"{r['lenpen']:g} | {beam:.2f} | **{r['test_bleu']:.2f}** | "
                      f"{r['test_chrf']:.2f} |")
     lines += ["", "| system | mean test2016 BLEU | sd | seeds |", "|---|---|---|---|"]
@@ -363,7 +363,8 @@ def quality_markdown(result: QualityBench) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _number(value: float | None) -> str:
+def bleu_text(value: float | None) -> str:
+    """A BLEU score for a table, "-" where the run has none."""
     return "-" if value is None else f"{value:.2f}"
 
 
