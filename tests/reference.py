@@ -126,10 +126,13 @@ def _embed(w, name, cfg, tokens, front=None):
     return x
 
 
-def _encoder(w, cfg, x, pad):
-    """x: (B, S, D) embedded, pad: (B, S) True at padding -> (B, S, D)."""
+def _encoder(w, cfg, x, pad, causal=False):
+    """x: (B, S, D) embedded, pad: (B, S) True at padding -> (B, S, D); with `causal` each
+    position sees only itself and the positions before it."""
     s = x.shape[1]
     allowed = (~pad)[:, None, :].expand(-1, s, s)
+    if causal:
+        allowed = allowed & torch.ones(s, s, dtype=torch.bool).tril()
     rope = cfg.positional == "rope"
     for i in range(cfg.n_encoder_layers):
         layer = f"encoder.layers.{i}"
@@ -177,13 +180,14 @@ def naive_seq2seq(cfg, weights, src, tgt, pad_id=0):
 def naive_classifier(cfg, weights, tokens, pad_id=0):
     """Logits (B, C) of an encoder classifier for right-padded tokens (B, S): pooling "cls"
     classifies the final state of a learned vector put before position 0, "mean" the mean of
-    the real positions' final states, "last" the final state of the last real token."""
+    the real positions' final states, "last" the final state of the last real token. With
+    cfg.causal each position attends to itself and the positions before it only."""
     w = {name: value.double() for name, value in weights.items()}
     pad = tokens == pad_id
     front = w["cls"] if cfg.pooling == "cls" else None
     if front is not None:
         pad = torch.cat([torch.zeros(pad.shape[0], 1, dtype=torch.bool), pad], dim=1)
-    h = _encoder(w, cfg, _embed(w, "encoder.embed", cfg, tokens, front), pad)
+    h = _encoder(w, cfg, _embed(w, "encoder.embed", cfg, tokens, front), pad, causal=cfg.causal)
     pooled = []
     for row, row_pad in zip(h, pad, strict=True):
         real = (~row_pad).nonzero().flatten()

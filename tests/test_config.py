@@ -49,6 +49,13 @@ def test_all_problems_are_reported_together():
     ({"head_dropout": 1.5}, "model.head_dropout: expected a number in [0, 1), found 1.5"),
     ({"arch": "lstm", "head_dropout": 0.1},
      "model.head_dropout: applies only when model.arch = 'seq2seq' or 'classifier'"),
+    ({"arch": "seq2seq", "causal": True}, "model.causal: applies only when model.arch = 'classifier'"),
+    ({"arch": "classifier", "causal": True, "pooling": "cls"},
+     "model.pooling: a causal classifier's prepended CLS position would see only itself"),
+    ({"arch": "classifier", "causal": True, "pooling": "last", "attention": "low_rank"},
+     "model.attention: low_rank mixes the keys along the whole sequence"),
+    ({"arch": "classifier", "causal": True, "pooling": "last", "downsample_every": 1},
+     "model.downsample_every: downsampling pools each position with the next"),
 ])
 def test_cross_field_rules(model, expected):
     assert any(expected in line for line in problems({**VALID, "model": model}))

@@ -215,6 +215,35 @@ def test_classifier_equals_naive_reference(pooling, variant):
     torch.testing.assert_close(logits.double(), expected, atol=1e-4, rtol=1e-4)
 
 
+@pytest.mark.parametrize("pooling,variant", [
+    ("last", "post-ln"), ("last", "learned-explicit"), ("last", "rope"), ("mean", "rmsnorm-pre-ln-gqa"),
+    ("last", "synthesizer"),
+])
+def test_a_causal_classifier_equals_the_naive_left_to_right_reference(pooling, variant):
+    # post-ln and learned positions take the one-row shortcut in the last layer, which must be causal too
+    cfg, model = tiny_model(variant, arch="classifier", pooling=pooling, causal=True)
+    tokens, _ = batch([6, 3, 1], 6)
+    with torch.no_grad():
+        logits = model(tokens)
+    expected = naive_classifier(cfg, model.state_dict(), tokens, PAD)
+    torch.testing.assert_close(logits.double(), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_a_causal_classifier_never_reads_a_later_token(causal):
+    """Position i's final state depends on tokens 0..i only: changing the last token of a
+    causal classifier's input leaves every earlier state as it was (a bidirectional one moves)."""
+    _, model = tiny_model("pre-ln-gelu", arch="classifier", pooling="last", causal=causal)
+    tokens, _ = batch([6, 6], 6)
+    changed = tokens.clone()
+    changed[:, -1] = changed[:, -1] % (V - 1) + 1  # another real token
+    pad = tokens.eq(PAD)
+    with torch.no_grad():
+        before, after = model.encoder(tokens, pad), model.encoder(changed, pad)
+    assert not torch.allclose(before[:, -1], after[:, -1], atol=1e-4)
+    assert torch.allclose(before[:, :-1], after[:, :-1], atol=1e-5) == causal
+
+
 @pytest.mark.parametrize("variant", ["post-ln", "rope-gqa-rmsnorm-pre-ln"])
 def test_explicit_and_sdpa_models_agree(variant):
     _, model = tiny_model(variant)

@@ -99,6 +99,10 @@ class ModelConfig:
     # a bias on the output logits (Marian's final_logits_bias; imported models carry one)
     output_bias: bool = field(default=False, metadata=only_when("arch", "seq2seq"))
     pooling: Pooling = field(default="mean", metadata=only_when("arch", "classifier", "lstm"))
+    # the Transformer classifier reads left to right: each position sees itself and the positions
+    # before it, as a decoder-only language model does (Press et al. 2021's setting), pooled from
+    # its last token; false: every position sees every other (an encoder, BERT)
+    causal: bool = field(default=False, metadata=only_when("arch", "classifier"))
     # The LSTM baseline (arch = "lstm"): embeddings of d_model, lstm_layers layers of lstm_hidden
     # units; lstm_hidden = 0 sizes it to the parameter count of the Transformer classifier that
     # the same table describes (d_model, n_heads, d_ff, n_encoder_layers, ...).
@@ -139,6 +143,8 @@ class ModelConfig:
         if self.arch == "classifier" and self.pooling not in TRANSFORMER_POOLING:
             out.append(f"model.pooling: the Transformer classifier pools by 'cls', 'mean' or 'last', "
                        f"found {self.pooling!r}")
+        if self.arch == "classifier" and self.causal:
+            out += _causal_problems(self)
         if self.arch == "lstm":
             if self.pooling not in LSTM_POOLING:
                 out.append(f"model.pooling: the LSTM pools by 'last', 'mean' or 'max', found {self.pooling!r}")
@@ -167,3 +173,18 @@ class ModelConfig:
                 f"found {self.head_dim}"
             )
         return out
+
+
+def _causal_problems(cfg: ModelConfig) -> list[str]:
+    """What a causal classifier cannot combine with: a pooled position that sees the others."""
+    out = []
+    if cfg.pooling == "cls":
+        out.append("model.pooling: a causal classifier's prepended CLS position would see only itself; "
+                   "pool by 'last' or 'mean', found 'cls'")
+    if cfg.attention == "low_rank":
+        out.append("model.attention: low_rank mixes the keys along the whole sequence, later ones included, "
+                   "which a causal classifier must not see; found 'low_rank'")
+    if cfg.downsample_every:
+        out.append(f"model.downsample_every: downsampling pools each position with the next, which a causal "
+                   f"classifier must not see; set it to 0, found {cfg.downsample_every}")
+    return out

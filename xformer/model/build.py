@@ -55,7 +55,7 @@ def build_model(
     downsample = {i: DOWNSAMPLERS[cfg.downsample](cfg.d_model) for i in range(cfg.n_encoder_layers - 1)
                   if every and (i + 1) % every == 0}  # between layers: none after the last
     encoder = Encoder(_embedder(cfg, src_embedding, src_position), encoder_layers, _final_norm(cfg), pattern,
-                      downsample)
+                      downsample, causal=cfg.arch == "classifier" and cfg.causal)
 
     if cfg.arch == "classifier":
         if n_classes is None:

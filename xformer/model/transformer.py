@@ -126,11 +126,14 @@ class Embedder(nn.Module):
 class Encoder(nn.Module):
     """Embedder, a stack of TransformerLayers, and a final norm for Pre-LN; `pattern` (patterns.py)
     says which keys each query sees; `downsample` maps a layer index to the module that halves
-    the sequence after that layer (model/downsample.py, Funnel-Transformer)."""
+    the sequence after that layer (model/downsample.py, Funnel-Transformer); `causal` lets a
+    position see only itself and earlier ones (a causal classifier, model.causal)."""
 
     def __init__(self, embed: Embedder, layers: list[TransformerLayer], final_norm: nn.Module | None = None,
-                 pattern: Full | None = None, downsample: dict[int, nn.Module] | None = None):
+                 pattern: Full | None = None, downsample: dict[int, nn.Module] | None = None,
+                 causal: bool = False):
         super().__init__()
+        self.causal = causal
         self.embed = embed
         self.layers = nn.ModuleList(layers)
         self.final_norm = final_norm if final_norm is not None else nn.Identity()
@@ -158,11 +161,11 @@ class Encoder(nn.Module):
 
     def rows_mask(self, rows: Tensor, pad: Tensor) -> Tensor:
         """(B, 1, 1, S): what the query at position rows[b] of each sequence sees (the pattern,
-        padding, and always itself)."""
+        causality, padding, and always itself)."""
         q = rows[:, None, None]  # (B, 1, 1)
         k = torch.arange(pad.size(1), device=pad.device)[None, None, :]  # (1, 1, S)
         allowed = self.pattern.allowed(q, k)
-        keep = ~pad[:, None, :]
+        keep = ~pad[:, None, :] & (k <= q) if self.causal else ~pad[:, None, :]
         allowed = keep if allowed is None else allowed & keep
         return (allowed | (k == q))[:, None]
 
@@ -175,7 +178,7 @@ class Encoder(nn.Module):
         mask = self._mask(pad, x)
         for i, layer in enumerate(self.layers):
             last = i == len(self.layers) - 1
-            if last and rows is not None and self.pattern.QUERY_DEPENDENT:
+            if last and rows is not None and (self.pattern.QUERY_DEPENDENT or self.causal):
                 mask = self.rows_mask(rows, pad)
             x = layer(x, mask, rows=rows if last else None)
             if str(i) in self.downsample:
@@ -185,11 +188,11 @@ class Encoder(nn.Module):
         return x if rows is None else x[:, 0]
 
     def _mask(self, pad: Tensor, x: Tensor) -> Tensor | PatternMask:
-        """One mask for every layer at this length: padding (B, 1, 1, S), or the pattern with
-        it, spelt out (B, 1, S, S) only by a layer that needs the matrix."""
-        if not self.pattern.QUERY_DEPENDENT:
+        """One mask for every layer at this length: padding (B, 1, 1, S), or the pattern (and
+        causality) with it, spelt out (B, 1, S, S) only by a layer that needs the matrix."""
+        if not self.pattern.QUERY_DEPENDENT and not self.causal:
             return padding_mask(pad)
-        return PatternMask(self.pattern, x.size(1), pad, causal=False, device=x.device)
+        return PatternMask(self.pattern, x.size(1), pad, causal=self.causal, device=x.device)
 
 
 class DecoderCache:
