@@ -244,6 +244,11 @@ def peers(
     result = bench_peers(config, [n.value for n in names] or None, on_event=on_event)
     if _saved(result, out, as_json):
         return
+    stdout.print(_peers_table(result, rounds))
+
+
+def _peers_table(result, rounds: int) -> Table:
+    """bench peers' figures, one column a peer, with xformer's ratios and what the run notes."""
     table = Table(title=f"the peers' workload on {result.device}, {result.precision}: median of {rounds} rounds "
                         "(min-max)", header_style="bold")
     table.add_column("figure")
@@ -270,7 +275,7 @@ def peers(
                                                  f"{result.matmul_peak_gflops:,.0f} GFLOP/s matmul peak\n")
     for peer, error in result.errors.items():
         table.caption = (table.caption or "") + f"{peer} failed: {error}\n"
-    stdout.print(table)
+    return table
 
 
 System = choices("System", SYSTEMS)

@@ -169,3 +169,17 @@ def test_bench_peers_against_hf_marian_through_the_cli():
                                   / hf["train_target_tokens_per_s"]["median"])
     refused = CliRunner().invoke(app, ["bench", "peers", "--peer", "fairseq"])
     assert refused.exit_code == 2 and "'fairseq' is not one of" in refused.output
+
+
+@pytest.mark.slow
+def test_bench_peers_prints_its_figures_as_a_table():
+    result = CliRunner().invoke(app, ["bench", "peers", "--peer", "xformer", "--peer", "torch_nn", "--rounds", "1",
+                                      "--steps", "1", "--batch", "2", "--sentences", "2", "--device", "cpu"],
+                                terminal_width=200)
+    assert result.exit_code == 0, result.output
+    assert "the peers' workload on cpu, fp32: median of 1 rounds" in result.stdout
+    rows = {line.split("│")[1].strip(): line.split("│")[2:-1] for line in result.stdout.splitlines()
+            if line.count("│") == 5}  # figure, xformer, torch_nn, xformer vs
+    for figure in ("train target tokens per s", "greedy sentences per s"):
+        ours, theirs, ratio = (cell.strip() for cell in rows[figure])
+        assert float(ratio.removesuffix("x torch_nn")) > 0 and ours and theirs
