@@ -98,10 +98,9 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
     problems = config.problems()
     if problems:
         raise RunError(problems)
-    ablate, importance, prune_order = config.ablate, config.importance, config.prune_order
-    split, data, max_drop, save_pruned = config.split, config.data, config.max_drop, config.save_pruned
+    ablate, importance, split, data, save_pruned = (config.ablate, config.importance, config.split, config.data,
+                                                    config.save_pruned)
     prune = config.prune or save_pruned is not None
-    checkpoint = config.checkpoint
     emit = on_event or ignore
     run_dir = Path(run_dir)
     out = Path(config.out) if config.out is not None else run_dir / "heads"
@@ -110,7 +109,7 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
     started = time.perf_counter()
     recipe = load_run_recipe(run_dir)
     _refuse_unanalysable(run_dir, recipe.model)
-    checkpoint = checkpoint or recipe.eval.checkpoint
+    checkpoint = config.checkpoint or recipe.eval.checkpoint
     subject = make_task(recipe).subject(run_dir, split=split, data=data, n_examples=config.n_examples,
                                         checkpoint=checkpoint, device=config.device)
     if importance not in subject.metric_names:
@@ -140,22 +139,31 @@ def inspect_heads(run_dir: str | Path, config: HeadsConfig | None = None, *,
         "syntactic": _syntactic_note(),
     }
     if prune:
-        held_out, held_out_name = subject.held_out(config.prune_split)  # loaded once: curve and saved model
-        ranking = gradient if prune_order == "gradient" else ablation
-        report["pruning"] = _pruning(subject, sites, ranking, fill, rule, prune_order, importance, held_out,
-                                     held_out_name, max_drop, prune_fractions(config.prune_step), emit)
-        if save_pruned is not None and not report["pruning"]["largest_within_max_drop"]["pruned"]:
-            report["pruned_model"] = {"path": None, "reason": f"no pruning step stays within max_drop {max_drop:g}; "
-                                                              "nothing saved"}
-        elif save_pruned is not None:
-            report["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, rule, report["pruning"],
-                                                  held_out, Path(save_pruned), checkpoint)
+        report.update(_prune(run_dir, subject, sites, ablation, gradient, fill, rule, config, checkpoint, emit))
     report["seconds"] = time.perf_counter() - started
     emit("phase", {"name": "report", "total": 1})
     report["artifacts"] = write_artifacts(out, report, captured["examples"])
     result = HeadsReport(**report)
     atomic_write_text(out / "heads.json", result.to_json())
     return result
+
+
+def _prune(run_dir: Path, subject, sites, ablation, gradient, fill, rule, config: HeadsConfig, checkpoint: str,
+           emit: Event) -> dict:
+    """The report's "pruning" curve on the held-out split and, with save_pruned, its "pruned_model"
+    (the largest step within max_drop, saved as a run; or why nothing was saved)."""
+    held_out, held_out_name = subject.held_out(config.prune_split)  # loaded once: curve and saved model
+    ranking = gradient if config.prune_order == "gradient" else ablation
+    pruning = _pruning(subject, sites, ranking, fill, rule, config.prune_order, config.importance, held_out,
+                       held_out_name, config.max_drop, prune_fractions(config.prune_step), emit)
+    out = {"pruning": pruning}
+    if config.save_pruned is not None and not pruning["largest_within_max_drop"]["pruned"]:
+        out["pruned_model"] = {"path": None, "reason": f"no pruning step stays within max_drop "
+                                                       f"{config.max_drop:g}; nothing saved"}
+    elif config.save_pruned is not None:
+        out["pruned_model"] = _save_pruned(run_dir, subject, sites, ablation, fill, rule, pruning, held_out,
+                                           Path(config.save_pruned), checkpoint)
+    return out
 
 
 def _refuse_unanalysable(run_dir: Path, m) -> None:
