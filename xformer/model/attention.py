@@ -134,20 +134,7 @@ class MultiHeadAttention(nn.Module):
         else:
             q = self.q_proj(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)  # (B, H, T, Dh)
         past = 0 if cache is None or memory is not None else cache.length  # positions of new tokens start here
-        if memory is not None and cache is not None and cache.k is not None:
-            k, v = cache.k, cache.v  # cross-attention: encoder keys computed at the first step
-        else:
-            source = x if memory is None else memory
-            s = source.size(1)
-            if self.k_proj is None:
-                k = source.new_zeros(b, self.n_kv_heads, s, self.head_dim)
-            else:
-                k = self.k_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, Dh)
-            v = self.v_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
-            if self.rotary is not None and memory is None:
-                q, k = self.rotary.rotate(q, past), self.rotary.rotate(k, past)
-            if cache is not None:
-                k, v = cache.append(k, v)
+        q, k, v = self._keys_values(q, x, memory, cache, past)
         probes = need_weights or self.on_probs is not None  # the probabilities are wanted
         if self.backend == "flex" and cache is None and not probes and (self.score_hook is None or memory is not None) \
                 and runs_on(q):
@@ -181,6 +168,27 @@ class MultiHeadAttention(nn.Module):
         else:
             out = sdpa_attention(q, k, v, mask, is_causal, self.dropout, self.training, bias)
         return self._finish(out, b, t), probs if need_weights else None
+
+    def _keys_values(self, q: Tensor, x: Tensor, memory: Tensor | None, cache: KVCache | None,
+                     past: int) -> tuple[Tensor, Tensor, Tensor]:
+        """The queries (rotated where positions are rotary) with the keys and values (B, K, S, Dh)
+        they attend to: of x itself, or of the memory (cross-attention, computed once into its
+        cache), the cache's earlier ones in front."""
+        if memory is not None and cache is not None and cache.k is not None:
+            return q, cache.k, cache.v  # cross-attention: encoder keys computed at the first step
+        b = x.size(0)
+        source = x if memory is None else memory
+        s = source.size(1)
+        if self.k_proj is None:
+            k = source.new_zeros(b, self.n_kv_heads, s, self.head_dim)
+        else:
+            k = self.k_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)  # (B, K, S, Dh)
+        v = self.v_proj(source).view(b, s, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        if self.rotary is not None and memory is None:
+            q, k = self.rotary.rotate(q, past), self.rotary.rotate(k, past)
+        if cache is not None:
+            k, v = cache.append(k, v)
+        return q, k, v
 
     def _finish(self, out: Tensor, b: int, t: int) -> Tensor:
         """Heads (B, H, T, Dh) -> (B, T, D): DropHead, the inspection gate, out_proj."""
