@@ -147,10 +147,8 @@ def beam_search(
         tokens = src.new_empty((b, 0))  # (n*width, step) generated so far
         prev = src.new_full((b, 1), bos_id)
         base = torch.arange(b, device=device)[:, None] * width  # (n, 1) first row of each sentence
-        beams = torch.arange(k, device=device)  # beam j of a sentence comes from its row j % width
 
         for step in range(max(max_len, default=0) + 1):
-            n = len(active)
             logits = model.decode(prev, memory, memory_pad, cache)[:, -1].float()  # (n*width, V)
             if stats is not None:
                 stats.saw(cache)
@@ -165,18 +163,9 @@ def beam_search(
             going = [not done and len(finished[s]) < k for s, done in zip(active, at_max, strict=True)]
             if not any(going):
                 break
-            # Beams of a sentence share its encoder keys: the cross caches change only when
-            # sentences leave, or when the one row of step 0 becomes k.
-            keep = None if all(going) else torch.tensor([i for i, g in enumerate(going) if g], device=device)
-            cross = None
-            if keep is not None or width != k:
-                sentences = keep if keep is not None else torch.arange(n, device=device)
-                cross = (sentences[:, None] * width + beams % width).view(-1)  # (n'*k,) rows of the old caches
+            active, scores, rows, token, cross = _leave(going, active, scores, rows, token, width, k)
+            if cross is not None:
                 memory, memory_pad = memory[cross], memory_pad[cross]
-            if keep is not None:
-                active = [active[i] for i in keep.tolist()]
-                scores = scores[keep]
-                rows, token = rows.view(n, k)[keep].view(-1), token.view(n, k)[keep].view(-1)
             width = k
             base = torch.arange(len(active), device=device)[:, None] * width
             cache.reorder(rows, cross)
@@ -184,6 +173,26 @@ def beam_search(
             prev = token[:, None]
 
         return [max(hyps, key=lambda h: h[0])[1] if hyps else [] for hyps in finished]
+
+
+def _leave(going: list[bool], active: list[int], scores: Tensor, rows: Tensor, token: Tensor, width: int,
+           k: int) -> tuple[list[int], Tensor, Tensor, Tensor, Tensor | None]:
+    """Done sentences leave the batch: (active, scores, rows, token) of those going on, and
+    `cross` (n'*k,), the row of the old cross-attention caches each new row reads, or None when
+    they stay as they are. Beams of a sentence share its encoder keys, so the cross caches change
+    only when sentences leave, or when the one row of step 0 becomes k."""
+    n, device = len(active), scores.device
+    keep = None if all(going) else torch.tensor([i for i, g in enumerate(going) if g], device=device)
+    cross = None
+    if keep is not None or width != k:
+        sentences = keep if keep is not None else torch.arange(n, device=device)
+        beams = torch.arange(k, device=device)  # beam j of a sentence comes from its row j % width
+        cross = (sentences[:, None] * width + beams % width).view(-1)
+    if keep is not None:
+        active = [active[i] for i in keep.tolist()]
+        scores = scores[keep]
+        rows, token = rows.view(n, k)[keep].view(-1), token.view(n, k)[keep].view(-1)
+    return active, scores, rows, token, cross
 
 
 def _candidates(logits: Tensor, scores: Tensor, at_max: list[bool], step: int, k: int, *, min_len: int,
