@@ -226,6 +226,24 @@ def test_a_baseline_still_improving_or_short_of_its_reference_has_not_converged(
     assert convergence(data, "base")["converged"] is None
 
 
+def test_a_baseline_that_ends_at_full_accuracy_in_every_seed_has_converged_however_late_it_learned():
+    """A task learned late in one seed gains over its last doubling, but at 100% validation
+    accuracy more steps cannot raise it; one seed short of the ceiling, the gain rule stands."""
+    late = [[1500, 56.2], [3000, 86.4], [6000, 100.0]]
+    early = [[1500, 100.0], [3000, 100.0], [6000, 100.0]]
+    short = [[1500, 56.2], [3000, 86.4], [6000, 99.8]]
+    data = curve_results({"base": early, "x": short}, {"base": [99.8] * 3, "x": [99.6] * 3})
+    data["metric"] = "accuracy"
+    data["runs"][0]["curve"] = late  # seed 1 learned late: (100 * 3) / (86.4 + 200) - 1 = +4.7%
+    state = convergence(data, "base", reference=99.0)
+    assert state["converged"] is True and state["gain"] == pytest.approx(100 * (300 / 286.4 - 1))
+    assert "every seed ended at the ceiling, 100% validation accuracy" in state["reason"]
+    assert convergence(data, "x")["converged"] is False  # 99.8%: the gain rule reads it
+    assert convergence(data, "base", reference=120.0)["converged"] is False  # short of its reference still counts
+    data["metric"] = "bleu"  # BLEU has no ceiling a model reaches: the gain rule alone
+    assert convergence(data, "base")["converged"] is False
+
+
 SPEC = "# Claim: deeper is better\n" + recall_spec([1, 2, 3]) + """
 [claim]
 number = 3

@@ -158,6 +158,7 @@ def _verdict(check: Check, than: str, base: float, mean: float, low: float, high
 
 
 CONVERGED_GAIN = 1.0  # %: a converged baseline gained less than this over the last doubling of its steps
+CEILING = {"accuracy": 100.0}  # or every seed ends at its metric's maximum: nothing is left to gain
 REFERENCE_SHARE = 90.0  # %: and scores at least this share of the reference score for its scale
 STILL_IMPROVING = "still improving"
 
@@ -165,8 +166,10 @@ STILL_IMPROVING = "still improving"
 def convergence(results: dict, cell: str, reference: float = 0.0) -> dict:
     """Whether `cell` has converged by the ledger's one rule: its validation score (mean over
     seeds, the best so far) gained less than CONVERGED_GAIN % from half its steps to all of them,
-    and, where the scale has a reference score, its test mean is at least REFERENCE_SHARE % of
-    it. {"converged": bool | None (not measurable), "gain", "share", "reason"}."""
+    or every seed ended at the metric's CEILING (a task learned late in one seed, at 100%
+    validation accuracy in all: more steps cannot raise it), and, where the scale has a
+    reference score, its test mean is at least REFERENCE_SHARE % of it.
+    {"converged": bool | None (not measurable), "gain", "share", "reason"}."""
     runs = [r for r in results["runs"] if r["cell"] == cell]
     halves, ends = [], []
     for run in runs:
@@ -186,12 +189,16 @@ def convergence(results: dict, cell: str, reference: float = 0.0) -> dict:
     half, end = statistics.fmean(halves), statistics.fmean(ends)
     gain = 100 * (end - half) / abs(half) * (-1 if results.get("metric") == "loss" else 1) if half else math.inf
     share = reference_share(results, cell, reference)[1] if reference else None
-    converged = gain < CONVERGED_GAIN and (share is None or share >= REFERENCE_SHARE)
+    ceiling = CEILING.get(results.get("metric"))
+    at_ceiling = ceiling is not None and gain >= CONVERGED_GAIN and all(end >= ceiling for end in ends)
+    converged = (gain < CONVERGED_GAIN or at_ceiling) and (share is None or share >= REFERENCE_SHARE)
     words = f"{cell} gained {gain:.1f}% on validation over its last doubling of steps (rule: under {CONVERGED_GAIN:g}%)"
     if share is not None:
         words += f" and scores {share:.0f}% of the reference {reference:g} (rule: at least {REFERENCE_SHARE:g}%)"
     else:
         words += "; no reference score for this scale"
+    if at_ceiling:
+        words += f"; every seed ended at the ceiling, {ceiling:g}% validation {results['metric']}: nothing left to gain"
     return {"converged": converged, "gain": gain, "share": share, "reason": words}
 
 

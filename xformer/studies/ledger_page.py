@@ -26,7 +26,8 @@ margin; *contradicted* when the whole interval lies on the other side, or short 
 margin (or beyond a claimed upper end); *depends* when a claim's parts disagree, and the
 verdict says which; a claim with a contradicted part and no supported one is contradicted;
 *inconclusive* otherwise. No verdict is given from a baseline that has not converged: its
-validation score must have gained less than 1% over the last doubling of its steps, and reach
+validation score must have gained less than 1% over the last doubling of its steps (or ended at
+100% accuracy in every seed, where nothing is left to gain), and reach
 90% of the reference score measured for its scale where there is one; else the verdict is
 *inconclusive: undertrained*, with both numbers (the measured one stays in the claim's section),
 and none from fewer than 3 seeds a cell.
