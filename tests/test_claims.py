@@ -347,7 +347,7 @@ def test_the_ledger_gives_no_verdict_from_an_undertrained_baseline(ledger, tmp_p
 
 def test_a_record_names_the_spec_and_recipe_it_was_measured_from(ledger, tmp_path):
     """A chain resuming on a fresh machine skips a spec whose record was measured from the spec
-    and recipe as they are now, and retrains it when either changed."""
+    and recipe as they are now, and retrains it when either's values changed (not its comments)."""
     import hashlib
 
     from xformer.studies.ledger import record_is_current
@@ -359,11 +359,18 @@ def test_a_record_names_the_spec_and_recipe_it_was_measured_from(ledger, tmp_pat
     recipe = (spec.parent / tomllib.loads(spec.read_text())["experiment"]["recipe"])
     assert kept["spec_sha256"] == hashlib.sha256(spec.read_bytes()).hexdigest()
     assert kept["recipe_sha256"] == hashlib.sha256(recipe.read_bytes()).hexdigest()
+    values = json.dumps(tomllib.loads(spec.read_text()), sort_keys=True)
+    assert kept["spec_toml_sha256"] == hashlib.sha256(values.encode()).hexdigest()
     assert record_is_current(spec, record)
     copy = tmp_path / "specs"
     shutil.copytree(specs, copy)
     assert record_is_current(copy / "depth.toml", record)  # where it lies does not matter
-    (copy / "depth.toml").write_text(spec.read_text().replace("seeds = ", "# changed\nseeds = ", 1))
+    (copy / "depth.toml").write_text(spec.read_text().replace("seeds = ", "# Result: measured\nseeds = ", 1))
+    assert record_is_current(copy / "depth.toml", record)  # a comment is not a setting
+    legacy = tmp_path / "legacy.json"  # a record from before the parsed digests: its bytes decide
+    legacy.write_text(json.dumps({k: v for k, v in kept.items() if "_toml_" not in k}))
+    assert record_is_current(spec, legacy) and not record_is_current(copy / "depth.toml", legacy)
+    (copy / "depth.toml").write_text(spec.read_text().replace("seeds = [1, 2, 3]", "seeds = [1, 2, 4]", 1))
     assert not record_is_current(copy / "depth.toml", record)
     assert not record_is_current(spec, tmp_path / "none.json")
     # the ledger does not judge a record of an earlier version of its spec, and says so

@@ -561,8 +561,11 @@ def test_archived_runs_restored_on_another_machine_are_scored_from_their_records
     best = json.loads((dest / "heads_1-s2" / ARCHIVED).read_text())["best"]
     assert best["final"] and best["sha256"] and best["name"] == "best"
     changed = spec.with_name("heads-edited.toml")  # another version of the spec: its archive is not restored
-    changed.write_text(spec.read_text() + "\n# edited\n")
+    changed.write_text(spec.read_text().replace("max_steps = 6", "max_steps = 7"))
     assert restore_spec(changed, dest, tmp_path / "other") is None and not (tmp_path / "other").exists()
+    commented = spec.with_name("heads-commented.toml")  # a comment is not a setting: the same version
+    commented.write_text("# Result: measured\n" + spec.read_text())
+    assert sorted(restore_spec(commented, dest, tmp_path / "commented")) == sorted(made)
     again = tmp_path / "again"
     assert sorted(restore_spec(spec, dest, again)) == sorted(made) and restore_spec(spec, dest, again) == []
     result = runner.invoke(app, ["experiment", str(spec), *sets(corpus), "--out", str(again), "--device", "cpu",

@@ -24,6 +24,7 @@ import shutil
 from pathlib import Path
 
 from xformer.files import atomic_write_text
+from xformer.studies.versions import changed_since
 from xformer.tasks.base import checkpoint_identity
 from xformer.training.run_folder import run_state
 
@@ -94,20 +95,20 @@ def stale_archive(src: Path, version: dict[str, str]) -> bool:
     """Whether the archive at SRC holds runs of another version of a spec or its recipe (their
     digests, as the ledger's records keep them) than `version`: such runs are not this spec's."""
     kept = Path(src) / VERSION
-    return kept.is_file() and json.loads(kept.read_text()) != version
+    return kept.is_file() and bool(changed_since(json.loads(kept.read_text()), version))
 
 
 def _keep_version(dest: Path, version: dict[str, str]) -> None:
     """Mark DEST as the archive of this version of the spec; an archive of an earlier version
     there is moved aside to DEST.<its spec digest> (never deleted)."""
     kept = dest / VERSION
-    if kept.is_file() and json.loads(kept.read_text()) != version:
+    if kept.is_file() and changed_since(json.loads(kept.read_text()), version):
         old = json.loads(kept.read_text())["spec_sha256"][:12]
         aside, n = dest.with_name(f"{dest.name}.{old}"), 1
         while aside.exists():
             aside, n = dest.with_name(f"{dest.name}.{old}-{n}"), n + 1
         dest.rename(aside)
-    if not kept.is_file():
+    if not kept.is_file() or json.loads(kept.read_text()) != version:  # this version's digests, as they are now
         dest.mkdir(parents=True, exist_ok=True)
         atomic_write_text(kept, json.dumps(version, indent=2) + "\n")
 

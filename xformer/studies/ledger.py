@@ -13,7 +13,6 @@ and returns the ledger's rows.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 from datetime import datetime, timezone
@@ -37,6 +36,7 @@ from xformer.studies.experiment import Experiment, load_experiment
 from xformer.studies.experiment_report import curve_png
 from xformer.studies.ledger_page import ledger_markdown
 from xformer.studies.sittings import wall_time
+from xformer.studies.versions import changed_since, version_of
 
 LOCAL = ("hypotheses", "predictions", "run_dir")  # run fields that are paths on the machine that ran it
 
@@ -95,12 +95,10 @@ def record_from_run(folder: Path, spec: Path, experiment: Experiment) -> dict | 
 
 
 def measured_from(spec: Path, experiment: Experiment) -> dict[str, str]:
-    """The sha256 of the spec and of the recipe it names, as a record keeps them: a chain that
-    resumes on another machine retrains a spec only when either has changed since
-    (benchmarks/ledger_chain.sh)."""
-    recipe = spec.parent / experiment.config.recipe
-    return {"spec_sha256": hashlib.sha256(spec.read_bytes()).hexdigest(),
-            "recipe_sha256": hashlib.sha256(recipe.read_bytes()).hexdigest()}
+    """The digests of the spec and of the recipe it names, as a record keeps them
+    (studies/versions.py): a chain that resumes on another machine retrains a spec only when
+    either's values have changed since (benchmarks/ledger_chain.sh)."""
+    return version_of(spec, spec.parent / experiment.config.recipe)
 
 
 def stale_record(spec: Path, experiment: Experiment, record: dict) -> str | None:
@@ -108,8 +106,7 @@ def stale_record(spec: Path, experiment: Experiment, record: dict) -> str | None
     spec or recipe digest differs, or, for a record from before digests were kept, it ran other
     cells or seeds. A stale record stays on disk but is not judged."""
     if "spec_sha256" in record:
-        now = measured_from(spec, experiment)
-        changed = [key.removesuffix("_sha256") for key in now if record.get(key) != now[key]]
+        changed = changed_since(record, measured_from(spec, experiment))
         return f"the {' and the '.join(changed)} changed since" if changed else None
     results = record["results"]
     ran = {"seeds": results.get("seeds"), "cells": sorted(c["cell"] for c in results.get("cells", []))}
@@ -124,7 +121,7 @@ def record_is_current(spec: Path, record: Path) -> bool:
         return False
     _, experiment = read_spec(spec)
     kept = json.loads(record.read_text())
-    return experiment is not None and all(kept.get(k) == v for k, v in measured_from(spec, experiment).items())
+    return experiment is not None and "spec_sha256" in kept and not changed_since(kept, measured_from(spec, experiment))
 
 
 WHERE_FROM = ("data.dataset",)  # where the corpus is read from (a local copy, offline): not a setting
