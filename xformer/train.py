@@ -42,17 +42,14 @@ from xformer.model.flex import unavailable as flex_unavailable
 from xformer.tasks import make_task
 from xformer.training import cpuload
 from xformer.training.budget import fit_run
-from xformer.training.checkpoint import (
-    average_checkpoints,
-    load_model_weights,
-    save_checkpoint,
-)
+from xformer.training.checkpoint import average_checkpoints, load_model_weights, save_checkpoint
 from xformer.training.compiling import compiled_forward
 from xformer.training.cpuload import OtherLoad
 from xformer.training.device import Runtime, resolve_runtime
 from xformer.training.distributed import Cluster, cluster_from_env
 from xformer.training.measure import PeakMemory, allocator_peak
 from xformer.training.optim import WsdPlan, build_optimizer, learning_rate
+from xformer.training.pauses import Pauses
 from xformer.training.progress import LogLine, Progress, StopSignals, truncate_metrics
 from xformer.training.resume import (
     has_checkpoint,
@@ -97,13 +94,14 @@ def run(
     log, result = MetricsLog(Path(out_dir), reporting, on_event, cluster.writer), None
     try:
         with contextlib.ExitStack() as hold:  # the run folder's lock, once _run takes it
+            pauses = hold.enter_context(Pauses())
             result = _run(recipe, Path(out_dir), cluster, device=device, resume=resume, overwrite=overwrite,
                           emit=on_event or ignore, recipe_path=recipe_path, measure_memory=measure_memory, hold=hold,
-                          log=log)
+                          log=log, pauses=pauses)
             while result.stop_reason == "change":  # a recorded change is due: continue as --resume did
                 result = _run(load_run_recipe(out_dir), Path(out_dir), cluster, device=device, resume=True,
                               overwrite=False, emit=on_event or ignore, recipe_path=None,
-                              measure_memory=measure_memory, hold=hold, locked=True, log=log)
+                              measure_memory=measure_memory, hold=hold, locked=True, log=log, pauses=pauses)
     except OSError as exc:
         if exc.errno not in (errno.ENOSPC, errno.EDQUOT):
             raise
@@ -118,11 +116,11 @@ def run(
 
 def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
          emit: Event, recipe_path: str | Path | None, measure_memory: bool, hold: contextlib.ExitStack,
-         log: MetricsLog, locked: bool = False) -> TrainResult:
+         log: MetricsLog, pauses: Pauses, locked: bool = False) -> TrainResult:
     """One part of a run: all of it, or up to a recorded change (run() goes on from there with
     `locked`: the run folder's lock, in `hold`, is already this process's)."""
     state, point, stop_reason = _open(recipe, out_dir, cluster, device=device, resume=resume, overwrite=overwrite,
-                                      emit=emit, recipe_path=recipe_path, hold=hold, locked=locked)
+                                      emit=emit, recipe_path=recipe_path, hold=hold, locked=locked, pauses=pauses)
     state.log = log
     _begin(state, point, resume, measure_memory)
     with state.signals, state.memory:
@@ -132,10 +130,12 @@ def _run(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume
 
 
 def _open(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resume: bool, overwrite: bool,
-          emit: Event, recipe_path: str | Path | None, hold: contextlib.ExitStack, locked: bool):
+          emit: Event, recipe_path: str | Path | None, hold: contextlib.ExitStack, locked: bool, pauses: Pauses):
     """Setup: the run folder checked and locked, the runtime, the task's data and tokenizer, the
-    model and optimizer, and the state a resume restores. Bad input fails before minutes of work."""
-    started = clock()
+    model and optimizer, and the state a resume restores. Bad input fails before minutes of work.
+    Its times leave out the seconds the process stood stopped (`pauses`)."""
+    running, paused_from = pauses.leave_out(clock), pauses.seconds
+    started = running()
     if cluster.writer and not locked:
         check_free(out_dir)  # another writer first: it explains any other refusal below
     recipe_path = Path(recipe_path) if recipe_path is not None else None
@@ -168,8 +168,8 @@ def _open(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resum
         task.prepare(out_dir, ignore)
     fitted = None
     if cfg.regularisation == "budget" and not resumable:  # chosen once; a resumed run has its recipe.toml's
-        left = cfg.max_time * 60 - (clock() - started) if cfg.max_time else 0.0
-        recipe, whole, fitted = fit_run(recipe, whole, task, rt, cluster, left, out_dir, clock, emit)
+        left = cfg.max_time * 60 - (running() - started) if cfg.max_time else 0.0
+        recipe, whole, fitted = fit_run(recipe, whole, task, rt, cluster, left, out_dir, running, emit)
         card = run_card(whole, rt, recipe.data.fingerprints())
 
     # the model, its optimizer, and its compiled forward where asked (tried on the first batch)
@@ -183,9 +183,10 @@ def _open(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resum
         first = next(iter(task.train_batches.iter_epoch(0)))
         trained = compiled_forward(model, lambda forward: rt.backward(task.loss(forward, first, rt)), rt, emit)
     state = TrainState(recipe=recipe, whole=whole, out_dir=out_dir, cluster=cluster, rt=rt, task=task, model=model,
-                       trained=trained, optimizer=optimizer, card=card, emit=emit, started=started, clock=clock,
+                       trained=trained, optimizer=optimizer, card=card, emit=emit, started=started, clock=running,
                        stamp={"recipe": whole.to_dict(), "tokenizer": tokenizer_digest(out_dir)},
-                       progress=Progress(regularisation=fitted))
+                       progress=Progress(regularisation=fitted), pauses=pauses,
+                       paused_from=paused_from)
     stop_reason = state.restore(point, change) if resumable else None
     return state, point, stop_reason
 
@@ -234,12 +235,13 @@ def _begin(state: TrainState, point, resume: bool, measure_memory: bool) -> None
     state.emit("start", {"steps_per_epoch": batches // cfg.accumulate_steps, "step": progress.step,
                          "parameters": _parameters(state.model), "run_dir": str(out_dir)})
     state.seconds_before = progress.seconds
+    state.paused_before = progress.paused_seconds
     state.change_at = whole.next_change(progress.step)
     taking_effect = [k.split(".")[1] for c in whole.changes if point and c.step == point.step for k in c.set]
     if PLANNED.intersection(taking_effect):  # a change (made now, or replayed) to what a wsd cooldown is planned from
         progress.decay_start, progress.decay_end, progress.decay_limit = 0, 0, ""
     state.plan = WsdPlan(cfg, -(-batches // cfg.accumulate_steps), progress, state.cluster, state.rt.device)
-    state.line = LogLine(state.rt.device, progress.log_line)
+    state.line = LogLine(state.rt.device, progress.log_line, state.timer)
     state.streaks = [float(state.line.skipped_run) > 0]
     state.others = OtherLoad()
     state.model.train()
@@ -255,15 +257,15 @@ def _epoch(state: TrainState) -> str | None:
     progress, cfg = state.progress, state.recipe.train
     epoch = state.task.train_batches.iter_epoch(progress.epoch, skip=progress.batch_in_epoch)
     while True:
-        t0 = time.perf_counter()
+        t0 = state.timer()
         group = list(itertools.islice(epoch, cfg.accumulate_steps))
         if not group:
             break
-        t1 = time.perf_counter()
+        t1 = state.timer()
         progress.step += 1
         lr = learning_rate(progress.step, cfg, _cooldown(state))
         step = _step(state, group, lr)
-        t2 = time.perf_counter()
+        t2 = state.timer()
         progress.data_seconds += t1 - t0
         progress.compute_seconds += t2 - t1
         state.plan.measure(state.elapsed())
@@ -323,7 +325,7 @@ def _log(state: TrainState, stop_reason: str | None, lr: float, now: float, step
         state.emit("tick", {"step": progress.step, "fraction": state.fraction_done(batches)})
     # a host sync: every step on the CPU (free there), at log lines elsewhere
     if (logged or state.rt.device.type == "cpu") and int(line.skipped_run) > cfg.max_nonfinite_steps:
-        state.save("nonfinite", time.perf_counter())  # the skipped steps left the weights as they were
+        state.save("nonfinite", state.timer())  # the skipped steps left the weights as they were
         scale = f", loss scale {state.rt.scaler.get_scale():g}" if state.rt.scaler is not None else ""
         raise DivergedError(f"train.max_nonfinite_steps: the loss or gradients were not finite for "
                             f"{int(line.skipped_run)} steps in a row, up to step {progress.step}{scale}; "
@@ -344,7 +346,7 @@ def _boundary(state: TrainState, step: tuple, lr: float, started: float, now: fl
     if stop_reason is None and progress.step == state.change_at:  # run() goes on with the recipe changed
         stop_reason = "change"
     _log(state, stop_reason, lr, now, (step_loss, *step[1:]))
-    boundary = time.perf_counter()
+    boundary = state.timer()
     progress.loop_seconds += boundary - started
     interrupted = stop_reason in ("interrupted", "change")  # a checkpoint, no final validation
     final = stop_reason is not None and not interrupted
@@ -365,7 +367,7 @@ def _boundary(state: TrainState, step: tuple, lr: float, started: float, now: fl
                     state.emit("setup", {"message": state.plan.cool_down_now()})
                     stop_reason = None
         state.save(stop_reason, boundary)
-        state.line.pause(time.perf_counter() - boundary)  # validation is not training time
+        state.line.pause(state.timer() - boundary)  # validation is not training time
         state.model.train()
     elif interrupted:
         state.save(stop_reason, boundary)
@@ -391,7 +393,8 @@ def _close(state: TrainState, stop_reason: str | None) -> TrainResult:
         compute_seconds=progress.compute_seconds, data_seconds=progress.data_seconds,
         loop_seconds=progress.loop_seconds, tokens=progress.tokens, device=str(state.rt.device),
         precision=state.rt.precision, precision_reason=state.rt.reason, parameters=_parameters(state.model),
-        peak_memory_mb=progress.peak_memory_mb, history=progress.history, skipped_steps=progress.skipped_steps,
+        peak_memory_mb=progress.peak_memory_mb, paused_seconds=state.paused(), history=progress.history,
+        skipped_steps=progress.skipped_steps,
         card=replace(state.card, wall_seconds=state.clock() - state.started, processes=cluster.world),
         stop_signal=state.signals.name, changes=state.whole.to_dict().get("changes", []),
         regularisation=progress.regularisation,

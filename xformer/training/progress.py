@@ -13,6 +13,7 @@ import json
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -29,6 +30,7 @@ class Progress:
     epoch: int = 0  # 0-based epoch in progress
     batch_in_epoch: int = 0  # batches of `epoch` already consumed
     seconds: float = 0.0
+    paused_seconds: float = 0.0  # stopped (SIGSTOP, Ctrl-Z), left out of every time here (xformer.training.pauses)
     compute_seconds: float = 0.0
     data_seconds: float = 0.0
     loop_seconds: float = 0.0
@@ -53,7 +55,7 @@ class LogLine:
     the device (no host sync per step); `state` reads them at a checkpoint, and a resumed run
     continues the line from there rather than starting a shorter one."""
 
-    def __init__(self, device: torch.device, saved: dict | None = None):
+    def __init__(self, device: torch.device, saved: dict | None = None, timer: Callable[[], float] = time.perf_counter):
         saved = saved or {}
 
         def tensor(key: str) -> torch.Tensor:
@@ -62,7 +64,7 @@ class LogLine:
         self.loss, self.skipped, self.skipped_units = tensor("loss"), tensor("skipped"), tensor("skipped_units")
         self.skipped_run = tensor("skipped_run")  # consecutive skips
         self.units, self.tokens = int(saved.get("units", 0)), int(saved.get("tokens", 0))
-        self.started = time.perf_counter() - float(saved.get("seconds", 0.0))
+        self.started = timer() - float(saved.get("seconds", 0.0))  # `timer`: the clock `now` is read from
 
     def add(self, step_loss: torch.Tensor, skipped: torch.Tensor, units: int, tokens: int) -> None:
         """One optimizer step: its summed loss, 1.0 if it was skipped (not finite), its sizes."""

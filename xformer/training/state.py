@@ -21,6 +21,7 @@ from xformer.training.cpuload import OtherLoad
 from xformer.training.device import Runtime
 from xformer.training.distributed import Cluster
 from xformer.training.optim import WsdPlan
+from xformer.training.pauses import Pauses
 from xformer.training.progress import LogLine, Progress, StopSignals
 from xformer.training.resume import branch_name
 from xformer.training.run_card import RunCard
@@ -45,6 +46,7 @@ class TrainResult:
     parameters: int = 0
     precision_reason: str = ""  # what precision "auto" found, or "asked for"
     peak_memory_mb: float = 0.0  # CUDA: peak allocated; CPU: peak resident set growth, 0 unless measured
+    paused_seconds: float = 0.0  # stopped (SIGSTOP, Ctrl-Z): left out of train_seconds and the times above
     history: list[dict] = field(default_factory=list)
     skipped_steps: int = 0  # not finite, so not taken (Runtime.step)
     card: RunCard | None = None  # what reproducing the run needs (xformer.training.run_card)
@@ -97,6 +99,17 @@ class TrainState:
     change_at: int | None = None  # a recorded change, replayed: this part ends at its step
     log: MetricsLog | None = None  # metrics.jsonl and the trackers, open across the parts of a run
     clock: Callable[[], float] = time.perf_counter  # what elapsed() and the time budget read (tests inject one)
+    pauses: Pauses = field(default_factory=Pauses)  # the stops left out of both clocks (xformer.training.pauses)
+    paused_before: float = 0.0  # from earlier parts of a resumed run, like seconds_before
+    paused_from: float = 0.0  # pauses.seconds when this part began (`started`)
+
+    def timer(self) -> float:
+        """Real seconds with the stops left out: what a step's and a log line's times are read from."""
+        return time.perf_counter() - self.pauses.seconds
+
+    def paused(self) -> float:
+        """The seconds this run has stood stopped, over all its parts and processes."""
+        return self.paused_before + self.pauses.seconds - self.paused_from
 
     @property
     def last(self) -> Path:
@@ -120,7 +133,7 @@ class TrainState:
         if not self.cluster.writer:
             return
         progress = self.progress
-        progress.seconds = self.elapsed()
+        progress.seconds, progress.paused_seconds = self.elapsed(), self.paused()
         progress.others_cpu_seconds += self.others.take()
         progress.peak_memory_mb = max(progress.peak_memory_mb, self.memory.current_peak_mb)
         progress.log_line = self.line.state(now)
