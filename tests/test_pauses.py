@@ -2,6 +2,7 @@
 (xformer.training.pauses): the matching of gaps to continuations, a real stop of a real
 process, and the trainer's times with the stops taken out, carried across a resume."""
 
+import itertools
 import json
 import os
 import signal
@@ -111,7 +112,7 @@ def test_the_trainer_leaves_the_stopped_seconds_out_and_a_resume_keeps_them(corp
     assert stopped.paused_seconds == 100.0
     assert stopped.train_seconds == straight.train_seconds  # the clock ran 100 s further: left out
     seconds = [json.loads(line)["seconds"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert all(0 < b - a < 100 for a, b in zip(seconds, seconds[1:])), seconds  # no log line holds the stop
+    assert all(0 < b - a < 100 for a, b in itertools.pairwise(seconds)), seconds  # no log line holds the stop
 
     def interrupt_at_6(kind, payload):
         stop_at_3(kind, payload)

@@ -290,3 +290,29 @@ def test_bench_quality_trains_both_scores_test_once_and_resumes(corpus, tmp_path
     assert refused.exit_code == 2 and "minutes 0.1 there, 0.2 here" in refused.output
     assert sorted(p.name for p in (tmp_path / "q").iterdir() if p.is_dir()) == \
         ["marian-seed1", "marian_wsd-seed1", "xformer-seed1"]
+
+
+def test_the_protocol_pins_the_recipes_values_not_its_comments(tmp_path):
+    """A comment edited in the recipe leaves a benchmark folder's protocol as it was; a value
+    changed is another protocol, refused by name; a folder pinned by the bytes alone (before the
+    values' digest was kept) is still compared by them."""
+    from xformer.bench.quality import QualityConfig, _pin_protocol
+
+    recipe, out = tmp_path / "r.toml", tmp_path / "q"
+    out.mkdir()
+    recipe.write_text("# measured on one machine\n[train]\nlr = 1e-3\n")
+    config = QualityConfig(recipe=str(recipe), minutes=1.0)
+    _pin_protocol(out, config)
+    recipe.write_text("# measured on one machine, then another\n[train]\nlr = 1e-3  # the peak\n")
+    _pin_protocol(out, config)
+    recipe.write_text("[train]\nlr = 2e-3\n")
+    with pytest.raises(RunError, match="recipe_toml_sha256"):
+        _pin_protocol(out, config)
+    pinned = json.loads((out / "protocol.json").read_text())
+    del pinned["recipe_toml_sha256"]  # as a folder pinned before
+    (out / "protocol.json").write_text(json.dumps(pinned))
+    recipe.write_text("# measured on one machine\n[train]\nlr = 1e-3\n")
+    _pin_protocol(out, config)  # the same bytes
+    recipe.write_text("# another comment\n[train]\nlr = 1e-3\n")
+    with pytest.raises(RunError, match="recipe_sha256"):
+        _pin_protocol(out, config)

@@ -37,7 +37,6 @@ trains); every call reports every scored run in it.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import statistics
@@ -56,6 +55,7 @@ from xformer.events import Event, ignore
 from xformer.files import atomic_write_text
 from xformer.results import Result
 from xformer.significance import paired_bleu
+from xformer.studies import versions
 from xformer.studies.grid import stop_if_asked
 from xformer.studies.jobs import Jobs
 from xformer.tasks.base import EvalRequest
@@ -187,18 +187,23 @@ def _pin_machine(out_dir: Path, config: QualityConfig) -> None:
 
 
 def _pin_protocol(out_dir: Path, config: QualityConfig) -> None:
-    """Record the protocol of the folder's first call (the recipe's text, its overrides, the
+    """Record the protocol of the folder's first call (the recipe's values, its overrides, the
     minutes and the length penalties), and refuse another: runs trained under two protocols
-    are not one side-by-side. Seeds and systems may differ from call to call."""
-    text = Path(config.recipe).read_bytes()
-    here = {"recipe": Path(config.recipe).name, "recipe_sha256": hashlib.sha256(text).hexdigest(),
+    are not one side-by-side. Seeds and systems may differ from call to call. The recipe is
+    compared by its values (studies.versions), so an edited comment in it is no new protocol;
+    a folder pinned before the values' digest was kept is compared by the recipe's bytes."""
+    digests = versions.digests(Path(config.recipe), "recipe")
+    here = {"recipe": Path(config.recipe).name, **digests,
             "sets": sorted(config.sets), "minutes": config.minutes, "lenpens": sorted(config.lenpens)}
     pinned = out_dir / "protocol.json"
     if not pinned.is_file():
         atomic_write_text(pinned, json.dumps(here, indent=2))
         return
     there = json.loads(pinned.read_text())
-    differs = [key for key, value in here.items() if there.get(key) != value]
+    differs = [key for key, value in here.items() if key not in digests and there.get(key) != value]
+    if versions.changed_since(there, digests, files=("recipe",)):
+        key = "recipe_toml_sha256" if "recipe_toml_sha256" in there else "recipe_sha256"
+        differs.append(key)
     if differs:
         raise RunError(f"{pinned}: this benchmark's runs were trained under another protocol "
                        f"({', '.join(f'{k} {there.get(k)!r} there, {here[k]!r} here' for k in differs)}); "

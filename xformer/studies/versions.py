@@ -18,22 +18,24 @@ from xformer.config.loading import tomllib  # the stdlib's, or tomli before Pyth
 FILES = ("spec", "recipe")
 
 
+def digests(path: Path, name: str) -> dict[str, str]:
+    """`{name}_sha256` of a TOML file's bytes and `{name}_toml_sha256` of its values."""
+    data = path.read_bytes()
+    values = json.dumps(tomllib.loads(data.decode("utf-8")), sort_keys=True, default=str)
+    return {f"{name}_sha256": hashlib.sha256(data).hexdigest(),
+            f"{name}_toml_sha256": hashlib.sha256(values.encode("utf-8")).hexdigest()}
+
+
 def version_of(spec: Path, recipe: Path) -> dict[str, str]:
     """The four digests of a spec and the recipe it names."""
-    out = {}
-    for name, path in zip(FILES, (spec, recipe), strict=True):
-        data = path.read_bytes()
-        values = json.dumps(tomllib.loads(data.decode("utf-8")), sort_keys=True, default=str)
-        out[f"{name}_sha256"] = hashlib.sha256(data).hexdigest()
-        out[f"{name}_toml_sha256"] = hashlib.sha256(values.encode("utf-8")).hexdigest()
-    return out
+    return {**digests(spec, "spec"), **digests(recipe, "recipe")}
 
 
-def changed_since(kept: dict, now: dict[str, str]) -> list[str]:
-    """The files ("spec", "recipe") whose values differ between a kept version and `now`: by
-    the parsed digests where the kept version has them, else by the bytes."""
+def changed_since(kept: dict, now: dict[str, str], files: tuple[str, ...] = FILES) -> list[str]:
+    """The files (by default "spec", "recipe") whose values differ between a kept version and
+    `now`: by the parsed digests where the kept version has them, else by the bytes."""
     changed = []
-    for name in FILES:
+    for name in files:
         key = f"{name}_toml_sha256" if f"{name}_toml_sha256" in kept else f"{name}_sha256"
         if kept.get(key) != now[key]:
             changed.append(name)
