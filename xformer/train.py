@@ -38,7 +38,7 @@ from xformer.events import Event, ignore
 from xformer.files import atomic_write_text, finite_json
 from xformer.locks import FolderLock, check_free
 from xformer.model.dropout import use_fast_dropout
-from xformer.model.flex import unavailable as flex_unavailable
+from xformer.model.flex import cannot_train as flex_cannot_train
 from xformer.tasks import make_task
 from xformer.training import cpuload
 from xformer.training.budget import fit_run
@@ -148,7 +148,9 @@ def _open(recipe: Recipe, out_dir: Path, cluster: Cluster, *, device: str, resum
     whole, recipe = recipe, recipe_at(recipe, point.step if point else 0)
     cfg = recipe.train
     rt: Runtime = resolve_runtime(device, cfg.precision)  # bad input fails before the run dir is touched
-    _check_backend(recipe, rt)
+    flex = recipe.model.arch != "lstm" and recipe.model.attention_backend == "flex"
+    if flex and flex_cannot_train(rt.device.type):
+        raise RunError(f"model.attention_backend = 'flex': {flex_cannot_train(rt.device.type)}")
     if cluster.writer and not locked:  # one writer a run folder, until run() returns (rank 0 under torchrun)
         hold.enter_context(FolderLock(out_dir, "train"))
     task = make_task(recipe)
@@ -202,15 +204,6 @@ def _announce(out_dir: Path, cluster: Cluster, rt: Runtime, emit: Event, removed
     if restart:
         emit("warning", {"message": f"{out_dir}: no checkpoint yet (stopped before its first one): "
                                     "training from step 0"})
-
-
-def _check_backend(recipe: Recipe, rt: Runtime) -> None:
-    if recipe.model.arch != "lstm" and recipe.model.attention_backend == "flex":
-        if flex_unavailable():
-            raise RunError(f"model.attention_backend = 'flex': {flex_unavailable()}")
-        if rt.device.type == "cpu":
-            raise RunError("model.attention_backend = 'flex': torch's flex attention has no backward pass on a "
-                           "CPU; train with 'sdpa' (the same function) and evaluate with flex, or train on CUDA")
 
 
 def _begin(state: TrainState, point, resume: bool, measure_memory: bool) -> None:

@@ -36,6 +36,16 @@ def unavailable() -> str | None:
     return None if _flex is not None else f"flex attention needs torch >= 2.5, found {torch.__version__}"
 
 
+def cannot_train(device_type: str) -> str | None:
+    """None when a model can train with flex attention on this kind of device, else why not."""
+    if unavailable():
+        return unavailable()
+    if device_type == "cpu":
+        return ("torch's flex attention has no backward pass on a CPU; train with 'sdpa' (the same function) and "
+                "evaluate with flex, or train on CUDA")
+    return None
+
+
 def runs_on(x: Tensor) -> bool:
     """Whether flex can compute attention over x here: anywhere without gradients, and with
     them only off the CPU."""
