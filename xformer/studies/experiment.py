@@ -70,6 +70,7 @@ from xformer.studies.jobs import Jobs
 from xformer.studies.reuse import copy_run, finished_runs, reused_branch, same_run
 from xformer.studies.sittings import Sitting
 from xformer.tasks import make_task
+from xformer.training.pauses import Pauses
 from xformer.training.progress import StopSignals
 from xformer.training.run_folder import run_state
 from xformer.training.trackers import Reporting, experiment_reporting
@@ -92,9 +93,10 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
         emit("setup", {"message": f"--jobs {jobs}: this experiment's checks time its runs, so they run one at a "
                                   "time"})
         jobs = 1
-    with FolderLock(out_dir, "experiment"), StopSignals() as stops:
+    with FolderLock(out_dir, "experiment"), StopSignals() as stops, Pauses() as pauses:
         reporting, parent = experiment_reporting(tuple(report_to), Path(out_dir))
-        sitting = Sitting(Path(out_dir), jobs)  # the wall time, across sittings (the ledger shows it)
+        # the wall time, across sittings (the ledger shows it), the time it stood stopped left out
+        sitting = Sitting(Path(out_dir), jobs, clock=pauses.leave_out(time.monotonic))
 
         def timed(kind: str, fields: dict) -> None:
             emit(kind, fields)

@@ -4,7 +4,9 @@ machine), so the ledger can say what each claim cost to measure.
 OUT/sittings.json lists one entry per `xformer experiment` call that got to work: when it
 started, the seconds it has run so far, --jobs, the cores and CPU it had, and how it ended
 ("finished", "stopped", or null while running or when the process was killed: its seconds then
-stand at the last run that started or ended). Runs copied by --reuse cost no time here.
+stand at the last run that started or ended). Runs copied by --reuse cost no time here, nor
+does the time the call stood stopped (`kill -STOP` while a test suite runs; the experiment
+passes a clock that leaves it out, xformer.training.pauses).
 """
 
 from __future__ import annotations
