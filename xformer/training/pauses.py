@@ -72,6 +72,7 @@ class Pauses:
     def __enter__(self) -> Pauses:
         if threading.current_thread() is threading.main_thread() and hasattr(signal, "SIGCONT"):
             self._previous = signal.signal(signal.SIGCONT, self._continue)
+            signal.siginterrupt(signal.SIGCONT, False)  # blocking calls in C code restart, as with no handler
             self._thread = threading.Thread(target=self._watch, name="xformer-pauses", daemon=True)
             self._thread.start()
         return self
@@ -96,4 +97,5 @@ class Pauses:
             self._quit.set()
             self._thread.join()
             signal.signal(signal.SIGCONT, self._previous if self._previous is not None else signal.SIG_DFL)
+            signal.siginterrupt(signal.SIGCONT, False)
             self._thread = None
