@@ -586,3 +586,14 @@ def test_a_check_at_a_length_needs_the_runs_scored_there(tmp_path):
     result = runner.invoke(app, ["claims", str(specs), "--runs", str(tmp_path / "runs"), "--out",
                                  str(tmp_path / "claims.md")])
     assert result.exit_code == 2 and "length 64 is not one of experiment.lengths (none)" in result.output
+
+
+def test_no_difference_in_any_seed_contradicts_better_rather_than_leaving_it_open():
+    """A count that stays put in every seed (no head of a role after training, none before)
+    has a zero-width interval at 0: the seeds do tell, and what they tell is "not better"."""
+    same = judge(Check("x", "better"), results({"base": [0.0] * 3, "x": [0.0] * 3}, {"x": [1.0] * 3}))
+    assert same.verdict == "contradicted" and "the whole interval at 0 or on the other side" in same.reason
+    fewer = judge(Check("x", "worse"), results({"base": [2.0] * 3, "x": [2.0] * 3}, {"x": [1.0] * 3}))
+    assert fewer.verdict == "contradicted"
+    apart = judge(Check("x", "better"), results({"base": [0.0] * 3, "x": [0.0, 1.0, 2.0]}, {"x": [1.0] * 3}))
+    assert apart.verdict == "inconclusive"  # one seed's gain: the interval holds 0 and more

@@ -14,8 +14,10 @@ where "better" and "worse" read as larger and smaller (a cache cut h-fold by 4 h
 
     better / worse   supported    the interval excludes 0 on the claimed side, and the mean is
                                   at least M (and at most `up_to`)
-                     contradicted the whole interval on the other side of 0; or below M; or
-                                  beyond `up_to` (a larger gap than claimed)
+                     contradicted the whole interval on the other side of 0, or reaching 0 at
+                                  most (every seed's difference exactly 0: a count that
+                                  stayed put); or below M; or beyond `up_to` (a larger gap
+                                  than claimed)
     not_better       supported    the mean at most 0 (the interval then holds 0 or less)
                      contradicted the interval above 0
     not_worse        supported    the whole interval above -M (a tolerated loss)
@@ -132,6 +134,8 @@ def _verdict(check: Check, than: str, base: float, mean: float, low: float, high
             return "contradicted", f"{check.expect}, but the whole interval beyond the claimed {claimed}"
         if far < 0:
             return "contradicted", f"{other}, not {check.expect}: the whole interval on the other side of 0"
+        if far == 0:  # a count that stayed put in every seed (a head role): exactly no difference, no gain
+            return "contradicted", f"not {check.expect}: the whole interval at 0 or on the other side"
         if margin and far < margin:
             return "contradicted", f"the whole interval short of the claimed {claimed}"
         return "inconclusive", "the interval holds 0 or the claimed margin: the seeds cannot tell"

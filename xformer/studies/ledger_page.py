@@ -22,8 +22,9 @@ verdict is mechanical (the rule is in `xformer/studies/claims.py`), decided on t
 difference and its 95% t-interval across seeds (training noise); each seed's paired test on the
 test set (sacreBLEU's bootstrap for BLEU, McNemar's exact test for accuracy) is shown beside it.
 *Supported* when the interval excludes 0 on the claimed side and the mean reaches the claimed
-margin; *contradicted* when the whole interval lies on the other side, or short of the claimed
-margin (or beyond a claimed upper end); *depends* when a claim's parts disagree, and the
+margin; *contradicted* when the whole interval lies on the other side (or at 0 exactly, as a
+count that stayed put in every seed), or short of the claimed margin (or beyond a claimed upper
+end); *depends* when a claim's parts disagree, and the
 verdict says which; a claim with a contradicted part and no supported one is contradicted;
 *inconclusive* otherwise. No verdict is given from a baseline that has not converged: its
 validation score must have gained less than 1% over the last doubling of its steps (or ended at
