@@ -39,8 +39,13 @@ from xformer.training.device import cpu_bf16, resolve_runtime
 from xformer.training.optim import build_optimizer
 
 
-def training_step(recipe, task, precision: str, *, fused_adam: bool = True, compiled: bool = False):
+def training_step(recipe, task, precision: str, **options):
     """A fresh model and optimizer, and the trainer's step over them (train.run's inner loop)."""
+    return training_parts(recipe, task, precision, **options)[2]
+
+
+def training_parts(recipe, task, precision: str, *, fused_adam: bool = True, compiled: bool = False):
+    """training_step's model, runtime and step (a benchmark that also validates the model)."""
     rt = resolve_runtime("cpu", precision)
     torch.manual_seed(recipe.train.seed)
     model = use_fast_dropout(task.build_model(), recipe.train.fast_paths).train()  # as train.run builds it
@@ -54,7 +59,7 @@ def training_step(recipe, task, precision: str, *, fused_adam: bool = True, comp
         rt.step(optimizer, model, recipe.train.clip_norm)
         optimizer.zero_grad(set_to_none=True)
 
-    return step
+    return model, rt, step
 
 
 def seconds_per_step(recipe, task, batches, precision: str, warmup: int, **options) -> float:

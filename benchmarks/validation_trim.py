@@ -33,32 +33,26 @@ def measure(mode: str, data: str, cycles: int, steps: int) -> dict:
     from xformer.allocator import release, tune_allocator
 
     tune_allocator()  # before the first tensor
-    import torch
+    from cpu_step import training_parts  # the trainer's step, as benchmarks/cpu_step.py times it
 
     from xformer.config.loading import load_recipe
     from xformer.events import ignore
     from xformer.tasks import make_task
-    from xformer.training.device import resolve_runtime
-    from xformer.training.optim import build_optimizer
 
     recipe = load_recipe(RECIPE, [f"data.dataset={json.dumps(data)}", "train.max_time=0", "train.max_steps=300",
                                   'train.regularisation="recipe"', "model.dropout=0.2"])
-    rt = resolve_runtime("cpu", "auto")
     task = make_task(recipe)
     task.load(ignore)
-    task.prepare(Path(tempfile.mkdtemp()), ignore)
-    torch.manual_seed(1)
-    model = task.build_model().to(rt.device)
-    optimizer = build_optimizer(model, recipe.train)
+    with tempfile.TemporaryDirectory() as run_dir:  # the tokenizer, read into the task
+        task.prepare(Path(run_dir), ignore)
+    model, rt, step = training_parts(recipe, task, "auto")
     batches = list(itertools.islice(task.train_batches.iter_epoch(0), steps))
 
     def train() -> float:
         model.train()
         began = time.perf_counter()
         for batch in batches:
-            rt.backward(task.loss(model, batch, rt) / task.units(batch))
-            rt.step(optimizer, model, 0.0)
-            optimizer.zero_grad(set_to_none=True)
+            step(batch)
         return (time.perf_counter() - began) / len(batches)
 
     train()  # warm-up
