@@ -220,3 +220,19 @@ class Ledger(Result):
     rows: list[dict]  # number, says, spec, verdict; checks and the record when measured; blocked when not
     markdown: str  # the file written
     records: str  # the folder of records
+
+
+@dataclass
+class LedgerPlan(Result):
+    """What a ledger's specs cost before they run (`xformer claims --plan`, xformer.studies.plan):
+    per spec its runs, those an earlier spec trains already, the steps it adds and, timed, the
+    hours its runs take and the wall-clock hours at `jobs` runs at once."""
+
+    # spec, cells, seeds, runs, new_runs, shared_runs, new_steps, alone; run_hours and wall_hours when timed
+    specs: list[dict]
+    total: dict  # runs, new_runs, new_steps, run_hours, wall_hours
+    jobs: int
+    timed: bool
+    # pace_of (the first run of that shape), step_seconds, valid_seconds, threads, precision
+    paces: list[dict] = field(default_factory=list)
+    shared: list[dict] = field(default_factory=list)  # spec, run, trained_by (SPEC/RUN)

@@ -47,12 +47,12 @@ def same_run(wanted: dict, finished: list[Path]) -> tuple[Path | None, bool]:
             continue
         if theirs == wanted:
             return run_dir, False
-        if trained_alike is None and _training(theirs) == _training(wanted) and archived_best(run_dir) is None:
+        if trained_alike is None and training_part(theirs) == training_part(wanted) and archived_best(run_dir) is None:
             trained_alike = run_dir  # to score again: an archived run has no weights to score
     return trained_alike, trained_alike is not None
 
 
-def _training(recipe: dict) -> dict:
+def training_part(recipe: dict) -> dict:
     """A resolved recipe without the [eval] fields that only change how a trained run decodes
     (validation during training is greedy and ignores them)."""
     return {**recipe, "eval": {k: v for k, v in recipe["eval"].items() if k not in DECODING}}
@@ -78,7 +78,7 @@ def reused_branch(stable: Path, budget: int, wanted: dict) -> tuple[Path | None,
     wanted = {k: v for k, v in json.loads(json.dumps(wanted)).items() if k != "changes"}
     if theirs == wanted:
         return branch, False
-    rescorable = _training(theirs) == _training(wanted) and archived_best(branch) is None
+    rescorable = training_part(theirs) == training_part(wanted) and archived_best(branch) is None
     return (branch, True) if rescorable else (None, False)
 
 
