@@ -27,13 +27,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:?usage: benchmarks/ledger_chain.sh RUNS [path/to/multi30k]}
 data=${2:-}
-# the specs at the CPU scale (multi30k_de_en_cpu.toml), the baseline's first: 37 distinct cells,
-# 111 runs (docs/results.md, "The ledger's CPU scale", has the arithmetic and what is left out);
+# the specs at the CPU scale (multi30k_de_en_cpu.toml), the baseline's first, and two ListOps specs
+# at their own (2,000 steps): `xformer claims --plan --spec NAME ...` counts their runs and times
+# them (docs/results.md, "The ledger's CPU scale", has the arithmetic and what is left out);
 # the later specs copy cells of the earlier ones (--reuse RUNS), so the order matters;
 # distillation's cells name their teacher under runs/claims, so RUNS is runs/claims for it (a teacher
 # with no weights here, as on a fresh machine, is trained from its own spec first)
 specs=${SPECS:-heads heads_specialise distillation heads_sweep head_dim ffn_width depth activations qkv_sharing \
-  synthesizer kv_heads layernorm_lr depth_prenorm residual_layernorm prenorm_depth schedule lowrank_translation speedups}
+  synthesizer kv_heads sparse longrange_helpers layernorm_lr depth_prenorm residual_layernorm prenorm_depth schedule \
+  lowrank_translation speedups}
 jobs=${JOBS:-2}
 device=${DEVICE:-cpu}
 spec_dir=${SPEC_DIR:-recipes/claims}
@@ -64,8 +66,13 @@ sys.exit(0 if record_is_current(Path(sys.argv[1]), Path(sys.argv[2])) else 1)" \
   # a teacher the spec's cells name, with no weights here (a fresh machine): trained from its own spec
   python -m xformer.studies.archive_spec teachers "${spec_dir}/${spec}.toml" "$device" \
     ${data:+"data.dataset=\"${data}\""} || true
+  # the corpus only where the spec's runs read one (a generated task refuses data.dataset)
+  spec_sets=()
+  if python -m xformer.studies.archive_spec reads-corpus "${spec_dir}/${spec}.toml"; then
+    spec_sets=("${sets[@]}")
+  fi
   xformer experiment "${spec_dir}/${spec}.toml" --out "$runs/${spec}" --reuse "$runs" --device "$device" \
-    --jobs "$jobs" "${sets[@]}" || status=$?
+    --jobs "$jobs" ${spec_sets[@]+"${spec_sets[@]}"} || status=$?
   python -m xformer.studies.archive_spec save "${spec_dir}/${spec}.toml" "$runs/${spec}" "${archive}/${spec}" || true
   if (( status != 0 )); then
     # one spec's failure (a bad spec, a crash) is logged and the chain goes on; a stop signal ends it

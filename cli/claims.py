@@ -43,8 +43,9 @@ def claims(
                                                           "threads.")] = 2,
     device: DeviceOption = "cpu",
     overrides: Annotated[list[str], typer.Option(
-        "--set", help="With --plan: a recipe value for every cell, as `xformer experiment --set` "
-                      "(data.dataset=PATH where the chain passes one); repeatable.")] = [],  # noqa: B006
+        "--set", help="With --plan: a recipe value for every cell, as `xformer experiment --set`; "
+                      "data.dataset=PATH goes only to specs that read a corpus, as the chain passes it; "
+                      "repeatable.")] = [],  # noqa: B006
     as_json: JsonOption = False,
 ) -> None:
     """Judge every claim against its experiment's results and write the ledger: each claim in

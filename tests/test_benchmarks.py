@@ -47,7 +47,8 @@ def test_the_gpu_claims_subset_trains_scores_and_judges_on_a_cpu(corpus, tmp_pat
 def test_the_ledger_chain_resumes_from_committed_records_without_retraining(tmp_path):
     """The chain measures each spec once: a second call on a machine without the run folders
     (a fresh clone with the records committed) trains nothing, and a spec changed since its
-    record was measured is trained again. A spec that fails is logged and skipped."""
+    record was measured is trained again. A spec that fails is logged and skipped. The corpus
+    the chain is given goes only to specs that read one (this generated task refuses it)."""
     from tests.test_claims import SPEC
 
     specs, ledger = tmp_path / "specs", tmp_path / "docs" / "claims.md"
@@ -58,8 +59,8 @@ def test_the_ledger_chain_resumes_from_committed_records_without_retraining(tmp_
            "ARCHIVE": str(tmp_path / "archive")}
 
     def chain(runs):
-        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "ledger_chain.sh"), str(runs)], env=env,
-                              capture_output=True, text=True)
+        done = subprocess.run(["bash", str(ROOT / "benchmarks" / "ledger_chain.sh"), str(runs),
+                               str(tmp_path / "multi30k")], env=env, capture_output=True, text=True)
         assert done.returncode == 0, done.stderr[-3000:]
         return done.stdout
 

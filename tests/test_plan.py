@@ -107,8 +107,11 @@ def test_claims_plan_writes_nothing_and_refuses_a_spec_it_cannot_find(tmp_path):
     plan = json.loads(made.stdout.strip().splitlines()[-1])
     assert [row["spec"] for row in plan["specs"]] == ["second", "first"]  # the order asked for
     assert plan["specs"][1]["new_runs"] == 4 and not out.exists()
-    table = runner.invoke(app, ["claims", str(tmp_path / "specs"), "--plan"])
+    # the corpus as the chain passes it: only to specs that read one (these generated ones refuse it)
+    table = runner.invoke(app, ["claims", str(tmp_path / "specs"), "--plan", "--set", 'data.dataset="PATH"'])
     assert table.exit_code == 0 and "total" in table.output and not out.exists()
+    seeds = runner.invoke(app, ["claims", str(tmp_path / "specs"), "--plan", "--set", "experiment.seeds=[1]", "--json"])
+    assert json.loads(seeds.stdout.strip().splitlines()[-1])["total"]["runs"] == 8  # 2 specs, 2 cells, 2 runs a cell
     missing = runner.invoke(app, ["claims", str(tmp_path / "specs"), "--plan", "--spec", "thrid"])
     assert missing.exit_code == 2
     assert "--spec" in missing.output and "thrid.toml" in missing.output and "Traceback" not in missing.output

@@ -4,6 +4,10 @@ teachers its cells name trained where their weights are missing, for benchmarks/
     python -m xformer.studies.archive_spec save SPEC OUT DEST      after the experiment
     python -m xformer.studies.archive_spec restore SPEC DEST OUT   before it
     python -m xformer.studies.archive_spec teachers SPEC DEVICE [SECTION.KEY=VALUE...]   before it
+    python -m xformer.studies.archive_spec reads-corpus SPEC      exit 0 when its runs read data.dataset
+
+The chain passes its corpus (--set data.dataset=PATH) only to the specs that read one: a generated
+task's recipe has no data.dataset and refuses it.
 
 A teacher is named by its folder, RUNS/<other spec>/runs/<cell>-s<seed>: the run of that cell
 and seed of the other spec (beside SPEC), at its largest budget. An archive keeps no weights, so
@@ -96,9 +100,11 @@ def main(argv: list[str]) -> None:
     elif len(argv) >= 3 and argv[0] == "teachers":
         done = train_teachers(argv[1], argv[2], argv[3:])
         print(f"{argv[1]}: " + (f"teachers trained: {', '.join(done)}" if done else "no teacher to train"))
+    elif len(argv) == 2 and argv[0] == "reads-corpus":
+        raise SystemExit(0 if load_experiment(argv[1]).reads_corpus() else 1)
     else:
         raise SystemExit("usage: python -m xformer.studies.archive_spec save SPEC OUT DEST | restore SPEC DEST OUT "
-                         "| teachers SPEC DEVICE [SECTION.KEY=VALUE...]")
+                         "| teachers SPEC DEVICE [SECTION.KEY=VALUE...] | reads-corpus SPEC")
 
 
 if __name__ == "__main__":

@@ -91,6 +91,11 @@ class Experiment:
         return load_recipe(self.source.parent / c.recipe, [*sets, f"train.branch_every={every}",
                                                            "train.patience=0"])
 
+    def reads_corpus(self) -> bool:
+        """Whether its runs read a corpus (their recipe has data.dataset); a generated task's do not,
+        and refuse a data.dataset given them."""
+        return hasattr(self.recipe(self.config.baseline, self.config.seeds[0]).data, "dataset")
+
 
 def load_experiment(path: str | Path, overrides: list[str] = ()) -> Experiment:
     """Read a spec; `overrides` are --set values: experiment.KEY=VALUE replaces the spec's

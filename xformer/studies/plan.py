@@ -89,8 +89,9 @@ def plan_ledger(specs: list[Path], *, timed: bool = False, jobs: int = 2, device
         if experiment is None:
             rows.append({"spec": path.stem, "blocked": claim.blocked})
             continue
-        if overrides:  # --set: every cell's recipe (data.dataset), or the spec's own (experiment.seeds)
-            experiment = load_experiment(path, list(overrides))
+        sets = [o for o in overrides if experiment.reads_corpus() or not o.strip().startswith("data.dataset=")]
+        if sets:  # --set: every cell's recipe, or the spec's own (experiment.seeds); the corpus as the chain
+            experiment = load_experiment(path, sets)  # passes it, to the specs that read one
         alone = any(check.metric in TIMED_METRICS for check in experiment.checks)
         mine = planned_runs(path, experiment)
         for run in mine:
