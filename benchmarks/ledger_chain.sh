@@ -27,15 +27,15 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 runs=${1:?usage: benchmarks/ledger_chain.sh RUNS [path/to/multi30k]}
 data=${2:-}
-# the specs at the CPU scale (multi30k_de_en_cpu.toml), the baseline's first, and two ListOps specs
-# at their own (2,000 steps): `xformer claims --plan --spec NAME ...` counts their runs and times
+# the specs at the CPU scale (multi30k_de_en_cpu.toml), the baseline's first, and three long-range specs
+# at their own (4,000 steps): `xformer claims --plan --spec NAME ...` counts their runs and times
 # them (docs/results.md, "The ledger's CPU scale", has the arithmetic and what is left out);
 # the later specs copy cells of the earlier ones (--reuse RUNS), so the order matters;
 # distillation's cells name their teacher under runs/claims, so RUNS is runs/claims for it (a teacher
 # with no weights here, as on a fresh machine, is trained from its own spec first)
 specs=${SPECS:-heads heads_specialise distillation heads_sweep head_dim ffn_width depth activations qkv_sharing \
-  synthesizer kv_heads sparse longrange_helpers layernorm_lr depth_prenorm residual_layernorm prenorm_depth schedule \
-  lowrank_translation speedups}
+  synthesizer kv_heads sparse longrange_helpers lstm_1024 layernorm_lr depth_prenorm residual_layernorm \
+  prenorm_depth schedule lowrank_translation speedups}
 jobs=${JOBS:-2}
 device=${DEVICE:-cpu}
 spec_dir=${SPEC_DIR:-recipes/claims}
