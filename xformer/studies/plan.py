@@ -15,7 +15,8 @@ schedule: what a step costs) has a few steps and one validation timed on real ba
 and a spec's wall-clock hours are its runs' hours over `jobs`. Not counted: test decoding, a
 sequence-level teacher's translations, the seconds a --reuse copy spends scoring again.
 A distilling cell is timed as its student without the teacher (a teacher is trained by an
-earlier spec, so the plan cannot assume its weights). An experiment whose checks time its runs
+earlier spec, so the plan cannot assume its weights), and a length curriculum's steps at the
+final length (an overestimate of its first, shorter stages). An experiment whose checks time its runs
 runs them one at a time with every thread: timed so, its runs add their whole time to the wall
 clock. The estimate is as good as the machine is quiet while it times.
 """
@@ -136,7 +137,7 @@ def _time_paces(runs: list[PlannedRun], jobs: int, device: str, clock, emit) -> 
                 continue
             torch.set_num_threads(threads if run.alone else max(1, threads // jobs))
             emit("plan", {"message": f"timing {run.spec}/{run.run} ({len(paces) + 1} shapes so far)"})
-            recipe = _student(run.recipe)
+            recipe = _timed_as(run.recipe)
             task = make_task(recipe)
             task.load(ignore)
             with tempfile.TemporaryDirectory(prefix="xformer-plan-") as scratch:
@@ -162,12 +163,14 @@ def _named(paces: dict[str, dict], runs: list[PlannedRun], jobs: int):
         yield f"{first.spec}/{first.run}", pace
 
 
-def _student(recipe: Recipe) -> Recipe:
-    """The recipe without its teacher: a distilling cell is timed as its student alone."""
-    if not recipe.distill.teacher:
-        return recipe
+def _timed_as(recipe: Recipe) -> Recipe:
+    """The recipe a run's steps are timed with: without its teacher (a distilling cell is timed
+    as its student alone) and without a length curriculum (whose first, shortest batches are the
+    ones a calibration would time; the run spends most of its steps at data.max_len)."""
     raw = recipe.to_dict()
     raw.pop("distill", None)
+    if raw["data"].get("curriculum_lengths"):
+        raw["data"] = {**raw["data"], "curriculum_lengths": [], "curriculum_steps": []}
     return recipe_from_dict(raw, [], "plan")
 
 
