@@ -168,6 +168,7 @@ from xformer import load_recipe
 from xformer.allocator import tune_allocator
 from xformer.training.state import validate_and_save
 from xformer.training.progress import Progress
+from xformer.training.device import resolve_runtime
 
 def resident_mb():
     return int(open("/proc/self/statm").read().split()[1]) * 4096 / 2**20
@@ -189,18 +190,22 @@ class Task:
 task = Task()
 out = Path(sys.argv[2])
 (out / "checkpoints").mkdir(parents=True)
-validate_and_save(torch.nn.Linear(2, 2), recipe, task, None, Progress(step=1), out, lambda *a: None, lambda: 0.0, {})
+rt = resolve_runtime("cpu", sys.argv[3])
+validate_and_save(torch.nn.Linear(2, 2), recipe, task, rt, Progress(step=1), out, lambda *a: None, lambda: 0.0, {})
 print(json.dumps({"before": before, "validating": seen[0]}))
 """
 
 
-def test_validation_runs_without_the_training_steps_freed_pages_resident(tmp_path):
-    """Under the tuned heap a freed training step stays resident until something trims it; the
-    trainer hands it back before it validates, so decoding's memory comes on top of what is
-    live, not of what the step left behind."""
+def test_validation_runs_without_the_training_steps_freed_pages_resident_in_fp32_only(tmp_path):
+    """Under the tuned heap a freed training step stays resident until something trims it; in
+    fp32 the trainer hands it back before it validates, so decoding's memory comes on top of what
+    is live, not of what the step left behind. In bf16 on a CPU it keeps the pages (the steps
+    after a trim ran 1.2x slower there): asked for explicitly, the same on every CPU class."""
     recipe = os.path.join(os.path.dirname(__file__), "..", "recipes", "translation", "multi30k_de_en.toml")
-    out = subprocess.run([sys.executable, "-c", VALIDATION, recipe, str(tmp_path / "run")], env=clean_env(),
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
-    memory = json.loads(out.stdout.strip().splitlines()[-1])
-    assert memory["before"] - memory["validating"] > 100, memory
+    for precision in ("fp32", "bf16"):
+        out = subprocess.run([sys.executable, "-c", VALIDATION, recipe, str(tmp_path / precision), precision],
+                             env=clean_env(), capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stderr[-2000:]
+        memory = json.loads(out.stdout.strip().splitlines()[-1])
+        freed = memory["before"] - memory["validating"]
+        assert (freed > 100) if precision == "fp32" else (abs(freed) < 30), (precision, memory)
