@@ -724,7 +724,8 @@ def test_a_non_finite_validation_is_never_the_best_and_is_written_as_valid_json(
     metric = recipe.best_metric
     for step in (1, 2, 3):
         progress.step = step
-        validate_and_save(model, recipe, task, None, progress, out, lambda kind, payload: None, lambda: 0.0, {})
+        validate_and_save(model, recipe, task, resolve_runtime("cpu", "fp32"), progress, out,
+                          lambda kind, payload: None, lambda: 0.0, {})
         best = out / "checkpoints" / "best.safetensors"
         assert (best.is_file() and read_checkpoint_meta(best)["step"]) == (False if step == 1 else 2), (step, metric)
     lines = (out / "metrics.jsonl").read_text().splitlines()
