@@ -115,3 +115,18 @@ def test_claims_plan_writes_nothing_and_refuses_a_spec_it_cannot_find(tmp_path):
     missing = runner.invoke(app, ["claims", str(tmp_path / "specs"), "--plan", "--spec", "thrid"])
     assert missing.exit_code == 2
     assert "--spec" in missing.output and "thrid.toml" in missing.output and "Traceback" not in missing.output
+
+
+def test_a_time_budgeted_spec_costs_its_minutes(tmp_path):
+    """experiment.max_time with no step limit: each run takes its whole budget, however fast its
+    steps are timed (2 cells x 2 seeds x 0.5 minutes = 2 minutes of runs, 1 of wall at --jobs 2)."""
+    folder = tmp_path / "specs"
+    folder.mkdir()
+    spec = folder / "timed.toml"
+    spec.write_text(recall_spec([1, 2]).replace("max_steps = 4", "max_time = 0.5")
+                    + CLAIM.format(says="Two layers beat one.", cell="one"))
+    readings = iter(range(10**6))
+    plan = plan_ledger([spec], timed=True, jobs=2, clock=lambda: next(readings) * 0.01)
+    row = plan.specs[0]
+    assert row["new_steps"] == 0 and row["new_minutes_limit"] == 2.0
+    assert abs(row["run_hours"] * 60 - 2.0) < 1e-9 and abs(row["wall_hours"] * 60 - 1.0) < 1e-9

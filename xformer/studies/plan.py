@@ -121,6 +121,10 @@ def plan_ledger(specs: list[Path], *, timed: bool = False, jobs: int = 2, device
 
 
 def _run_seconds(run: PlannedRun, pace: dict) -> float:
+    """A run's steps and validations at `pace`, within its time limit (a run with no step limit
+    takes all of it)."""
+    if not run.steps:
+        return run.minutes * 60
     seconds = run.steps * pace["step_seconds"] + (run.steps // max(1, run.valid_every) + 1) * pace["valid_seconds"]
     return min(seconds, run.minutes * 60) if run.minutes else seconds
 
