@@ -89,7 +89,7 @@ def run_experiment(experiment: Experiment, out_dir: str | Path, *, device: str =
     (xformer.training.trackers.experiment_reporting)."""
     check_grid_dir(Path(out_dir), "experiment.json", "experiment")
     emit = on_event or ignore
-    if jobs > 1 and any(check.metric in ("train_speed", "decode_speed") for check in experiment.checks):
+    if jobs > 1 and experiment.times_runs():
         emit("setup", {"message": f"--jobs {jobs}: this experiment's checks time its runs, so they run one at a "
                                   "time"})
         jobs = 1

@@ -91,6 +91,11 @@ class Experiment:
         return load_recipe(self.source.parent / c.recipe, [*sets, f"train.branch_every={every}",
                                                            "train.patience=0"])
 
+    def times_runs(self) -> bool:
+        """Whether its checks read the runs' timed speeds: such an experiment trains and times its
+        runs one at a time, and its timings compare only within one machine."""
+        return any(check.metric in ("train_speed", "decode_speed") for check in self.checks)
+
     def reads_corpus(self) -> bool:
         """Whether its runs read a corpus (their recipe has data.dataset); a generated task's do not,
         and refuse a data.dataset given them."""

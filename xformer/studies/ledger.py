@@ -234,8 +234,7 @@ def _row(path: Path, claim: Claim, experiment: Experiment | None, record: dict |
         shown = f"inconclusive: {len(results['seeds'])} seed{'s' * (len(results['seeds']) > 1)} ({MIN_SEEDS} needed)"
     if untestable:
         shown = "not testable here"
-    differing = disagreements(results, timed=any(check.metric in ("train_speed", "decode_speed")
-                                                 for check in experiment.checks))
+    differing = disagreements(results, timed=experiment.times_runs())
     if differing["refuse"]:
         shown = "not comparable: the runs differ in " + "; ".join(differing["refuse"])
     at_budgets = [{"budget": curve["budget"], "verdict": verdict([judge(check, {**results, **curve}, c.reference)

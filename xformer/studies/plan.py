@@ -46,7 +46,6 @@ from xformer.training.device import resolve_runtime
 # what changes a run's identity but not what one of its steps costs
 PACE_FREE = ("seed", "max_steps", "max_time", "max_epochs", "branch_every", "patience", "lr", "min_lr",
              "warmup_steps", "schedule", "decay_fraction", "decay_shape")
-TIMED_METRICS = ("train_speed", "decode_speed")
 
 
 @dataclass
@@ -93,7 +92,7 @@ def plan_ledger(specs: list[Path], *, timed: bool = False, jobs: int = 2, device
         sets = [o for o in overrides if experiment.reads_corpus() or not o.strip().startswith("data.dataset=")]
         if sets:  # --set: every cell's recipe, or the spec's own (experiment.seeds); the corpus as the chain
             experiment = load_experiment(path, sets)  # passes it, to the specs that read one
-        alone = any(check.metric in TIMED_METRICS for check in experiment.checks)
+        alone = experiment.times_runs()
         mine = planned_runs(path, experiment)
         for run in mine:
             run.alone = alone
