@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from xformer.config.loading import load_recipe
 from xformer.train import run
-from xformer.training.budget import RULE, row_for
+from xformer.training.budget import RULE, in_hindsight, row_for
 from xformer.training.checkpoint import read_checkpoint
 from xformer_cli.main import app
 
@@ -80,11 +80,58 @@ def test_a_time_budget_calibrates_inside_it_and_leaves_no_trace(corpus, tmp_path
         record["estimated_from"]
     assert timed.stop_reason == "max_time" and 0 < record["expected_epochs"]
     assert record["chosen"] == row_for(record["expected_epochs"])
+    assert record["trained_epochs"] == timed.epochs  # told in hindsight, beside what was expected
     monkeypatch.setattr(trainer, "clock", lambda: 0.0)
     written = [f"{k}={v}" for k, v in record["chosen"].items()]
     run(recipe(corpus, f"train.max_steps={timed.steps}", *written), tmp_path / "steps", device="cpu")
     a, b = tensors(tmp_path / "timed"), tensors(tmp_path / "steps")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_a_time_budget_that_trained_another_rows_epochs_says_so_in_hindsight():
+    """A calibration that misjudged the pace (seen: 6.6 s a step measured, 0.66 in the run) chose
+    the row for 3.4 epochs in a run that trained 34: train.json names the row for 34, and the
+    run warns. A run its budget did not end (a step budget, an interrupted run) is left alone."""
+    light, heavy = (row_for(e) for e in (3.0, 34.0))
+    record = {"rule": "budget", "expected_epochs": 3.4, "estimated_from": "train.max_time = 50 min: ...",
+              "chosen": light, "was": light}
+    said = []
+    told = in_hindsight(record, 34.0, "max_time", lambda kind, data: said.append((kind, data["message"])))
+    assert told["row_for_trained"] == heavy != light and told["trained_epochs"] == 34.0
+    assert len(said) == 1 and said[0][0] == "warning" and "trained 34.0" in said[0][1]
+    assert "row_for_trained" not in in_hindsight(record, 3.9, "max_time", lambda *_: None)
+    assert in_hindsight(record, 34.0, "max_steps", lambda *_: None) == record
+    assert in_hindsight(record, 34.0, "interrupted", lambda *_: None) == record
+    assert in_hindsight(None, 34.0, "max_time", lambda *_: None) is None
+
+
+@pytest.mark.parametrize("eos_bias", [1e4, -1e4])
+def test_the_calibration_validates_as_long_as_the_references_whatever_the_model_says(corpus, tmp_path, eos_bias):
+    """An untrained model ends every translation at once or never, so its validation cost said
+    nothing of a trained model's. The calibration's validation decodes each validation source
+    to its reference's length: one decoder row a piece and one for the EOS, whichever it is."""
+    from xformer.tasks import make_task
+    from xformer.training.device import resolve_runtime
+
+    task = make_task(recipe(corpus, "train.best_metric=bleu", "train.max_steps=1"))
+    task.load(lambda *_: None)
+    task.prepare(tmp_path, lambda *_: None)
+    model, rt = task.build_model().eval(), resolve_runtime("cpu", "fp32")
+    decode, rows = model.decode, []
+
+    def steered(prev, *rest):
+        logits = decode(prev, *rest)
+        logits[..., 3] += eos_bias  # EOS
+        rows.append(prev.size(0))
+        return logits
+
+    model.decode = steered
+    scores = task.validate_as_trained(model, rt)
+    assert sum(rows) == sum(len(ids) + 1 for ids in task.valid_data["tgt_ids"])
+    assert 0 <= scores["bleu"] <= 100 and scores["loss"] > 0
+    rows.clear()
+    task.validate(model, rt)  # the validation itself follows the model: all at once, or to max_len
+    assert sum(rows) == len(task.refs) if eos_bias > 0 else sum(rows) > 2 * len(task.refs)
 
 
 def test_a_resumed_budget_run_keeps_its_choice_from_the_recipe_file(corpus, tmp_path):

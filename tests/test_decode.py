@@ -197,6 +197,22 @@ def test_max_length_is_capped_by_max_positions():
     assert [len(h) for h in greedy_decode(model, sources(), max_len_a=1.0, max_len_b=3)] == [7, 6, 7, 7, 5, 7]
 
 
+@pytest.mark.parametrize("eos_bias", [1e4, 4.0, -1e4])
+def test_forced_lengths_hold_whatever_the_model_says_of_eos(eos_bias):
+    """With `lengths`, each hypothesis is exactly as long, EOS-free, and is the greedy path of a
+    model that cannot end: the prefix of the reference greedy search with EOS banned."""
+    model, src = tiny_seq2seq(scale=3.0, eos_bias=eos_bias), sources()
+    lengths = [4, 0, 2, 9, 1, 3]
+    hyps = greedy_decode(model, src, lengths=lengths)
+    assert [len(h) for h in hyps] == lengths and not any(EOS in h for h in hyps)
+    with torch.no_grad():
+        model.output.bias[EOS] = -1e4  # the same model, unable to end
+    expected = [reference_greedy(model, src[i : i + 1, :n], lengths[i]) for i, n in enumerate(LENGTHS)]
+    assert hyps == expected
+    model.decoder.embed.max_positions = 4  # BOS + 3 tokens: the cap still holds
+    assert [len(h) for h in greedy_decode(model, src, lengths=lengths)] == [3, 0, 2, 3, 1, 3]
+
+
 @pytest.mark.parametrize("search", ["greedy", "beam"])
 def test_eos_first_gives_empty_hypotheses_unless_min_len(search):
     model, src = tiny_seq2seq(eos_bias=1e4), sources()

@@ -41,7 +41,7 @@ from xformer.model.dropout import use_fast_dropout
 from xformer.model.flex import cannot_train as flex_cannot_train
 from xformer.tasks import make_task
 from xformer.training import cpuload
-from xformer.training.budget import fit_run
+from xformer.training.budget import fit_run, in_hindsight
 from xformer.training.checkpoint import average_checkpoints, load_model_weights, save_checkpoint
 from xformer.training.compiling import compiled_forward
 from xformer.training.cpuload import OtherLoad
@@ -380,8 +380,9 @@ def _close(state: TrainState, stop_reason: str | None) -> TrainResult:
         load_model_weights(state.model, averaged)
         save_checkpoint(out_dir / "checkpoints" / "averaged.safetensors", state.model,
                         meta={**state.stamp, "averaged": progress.kept})
+    epochs = progress.epoch + progress.batch_in_epoch / max(1, batches)
     result = TrainResult(
-        run_dir=str(out_dir), steps=progress.step, epochs=progress.epoch + progress.batch_in_epoch / max(1, batches),
+        run_dir=str(out_dir), steps=progress.step, epochs=epochs,
         stop_reason=stop_reason, best=progress.best, train_seconds=state.elapsed(),
         compute_seconds=progress.compute_seconds, data_seconds=progress.data_seconds,
         loop_seconds=progress.loop_seconds, tokens=progress.tokens, device=str(state.rt.device),
@@ -390,7 +391,7 @@ def _close(state: TrainState, stop_reason: str | None) -> TrainResult:
         skipped_steps=progress.skipped_steps,
         card=replace(state.card, wall_seconds=state.clock() - state.started, processes=cluster.world),
         stop_signal=state.signals.name, changes=state.whole.to_dict().get("changes", []),
-        regularisation=progress.regularisation,
+        regularisation=in_hindsight(progress.regularisation, epochs, stop_reason, state.emit),
         # under torch.distributed the other processes are this run's own: not measured
         others_cpu=progress.others_cpu_seconds / progress.seconds
         if state.others.available and progress.seconds >= cpuload.MIN_SECONDS and cluster.world == 1 else None,

@@ -77,15 +77,21 @@ def _ban_(lprobs: Tensor, step: int, min_len: int, bos_id: int, eos_id: int, pad
 def greedy_decode(
     model: Seq2Seq, src: Tensor, *, max_len_a: float = 1.2, max_len_b: int = 10, min_len: int = 0,
     bos_id: int = 2, eos_id: int = 3, pad_id: int = 0, stats: DecodeStats | None = None,
+    lengths: list[int] | None = None,
 ) -> list[list[int]]:
     """The most probable next token at every step, a batch at a time, one token per step
     through the KV cache. src: (B, S) right-padded ids -> B token lists (no BOS, no EOS).
 
-    A sentence leaves the batch (and its cache rows) as soon as it emits EOS.
+    A sentence leaves the batch (and its cache rows) as soon as it emits EOS. With `lengths`,
+    sentence i is exactly lengths[i] tokens (EOS banned before, forced there; max_len_a/b and
+    min_len unused): the work a model that ends where its references end would do.
     """
     with _eval_mode(model):
         b = src.size(0)
-        max_len = _max_lengths(model, src, max_len_a, max_len_b, pad_id)
+        if lengths is None:
+            max_len = _max_lengths(model, src, max_len_a, max_len_b, pad_id)
+        else:
+            max_len = [max(0, min(n, model.decoder.embed.max_positions - 1)) for n in lengths]
         longest = max(max_len, default=0)
         memory, memory_pad = model.encode(src)  # (B, S, D), (B, S)
         cache = model.new_cache(longest + 1)
@@ -98,6 +104,8 @@ def greedy_decode(
             if stats is not None:
                 stats.saw(cache)
             _ban_(logits, step, min_len, bos_id, eos_id, pad_id)
+            if lengths is not None:
+                logits[:, eos_id] = -math.inf  # EOS only where the row's length ends (forced below)
             token = logits.argmax(dim=-1)  # (n,)
             token = torch.where(limit <= step, eos_id, token)  # forced, whatever EOS's probability
             out[active, step] = token
@@ -272,13 +280,17 @@ def sequence_logprob(model: Seq2Seq, src: Tensor, hyp_tokens: list[list[int]], *
 def translate_ids(
     model: Seq2Seq, sources: list[list[int]], recipe: Recipe, rt: Runtime, *, beam: int | None = None,
     lenpen: float | None = None, on_batch: Callable[[int], None] | None = None, stats: DecodeStats | None = None,
+    lengths: list[int] | None = None,
 ) -> list[list[int]]:
     """Decode token-id sources (no EOS) in length-sorted batches of eval.batch_sentences;
     beam 1 is greedy. Returns hypotheses in input order, without BOS/EOS; `stats` gets the
-    largest KV cache of any batch."""
+    largest KV cache of any batch. `lengths` (greedy only): each hypothesis exactly as long
+    (greedy_decode)."""
     cfg = recipe.eval
     beam = cfg.beam if beam is None else beam
     lenpen = cfg.lenpen if lenpen is None else lenpen
+    if lengths is not None and beam != 1:
+        raise ValueError(f"forced lengths are for greedy decoding (beam 1), found beam {beam}")
     limit = recipe.model.max_positions - 1  # room for EOS
     order = sorted(range(len(sources)), key=lambda i: -len(sources[i]))
     out: list[list[int]] = [[] for _ in sources]
@@ -290,7 +302,8 @@ def translate_ids(
             src = collate_source([sources[i][:limit] for i in idx]).to(rt.device)
             a, b = cfg.max_len_a, min(cfg.max_len_b, limit)
             if beam == 1:
-                hyps = greedy_decode(model, src, max_len_a=a, max_len_b=b, stats=stats)
+                hyps = greedy_decode(model, src, max_len_a=a, max_len_b=b, stats=stats,
+                                     lengths=None if lengths is None else [min(lengths[i], limit) for i in idx])
             else:
                 hyps = beam_search(model, src, beam=beam, lenpen=lenpen, max_len_a=a, max_len_b=b, stats=stats)
             for i, h in zip(idx, hyps, strict=True):

@@ -150,6 +150,12 @@ class Task:
     def validate(self, model, rt: Runtime) -> dict:
         raise NotImplementedError
 
+    def validate_as_trained(self, model, rt: Runtime) -> dict:
+        """A validation that costs what a trained model's does, for the time budget's calibration
+        on an untrained model (xformer/training/budget.py); where the cost does not depend on
+        what the model predicts, the validation itself."""
+        return self.validate(model, rt)
+
     # ------------------------------------------------------------ a trained run
     def load_vocabulary(self, run_dir: Path) -> None:
         """Read RUN/tokenizer (the tokenizer or encoder the run was trained with)."""

@@ -212,9 +212,10 @@ class TranslationTask(Task):
         return translation_loss(model, src, tgt_in, tgt_out, rt, self.recipe.train, index_rows=rt.device.type == "cpu",
                                 teacher=self.teacher if word else None, distill=self.recipe.distill)
 
-    def validate(self, model, rt: Runtime) -> dict:
+    def validate(self, model, rt: Runtime, *, lengths: list[int] | None = None) -> dict:
         """Validation loss (token NLL, no label smoothing) and, when BLEU picks the best
-        checkpoint, cased sacreBLEU and chrF of greedy translations of the validation sources."""
+        checkpoint, cased sacreBLEU and chrF of greedy translations of the validation sources
+        (each exactly lengths[i] pieces when given)."""
         recipe = self.recipe
         model.eval()
         total, tokens = 0.0, 0
@@ -228,10 +229,15 @@ class TranslationTask(Task):
         scores = {"loss": total / tokens, "ppl": math.exp(min(total / tokens, 50))}
         if recipe.best_metric == "bleu":
             started = time.perf_counter()
-            ids = translate_ids(model, list(self.valid_data["src_ids"]), recipe, rt, beam=1)
+            ids = translate_ids(model, list(self.valid_data["src_ids"]), recipe, rt, beam=1, lengths=lengths)
             bleu = translation_scores(self.tokenizer.decode(ids, "target"), self.refs)
             scores.update(bleu=bleu["bleu"], chrf=bleu["chrf"], decode_seconds=time.perf_counter() - started)
         return scores
+
+    def validate_as_trained(self, model, rt: Runtime) -> dict:
+        """Each greedy translation as long as its reference: an untrained model stops at once or
+        runs to max_len, which made one calibration's validation 30x another's."""
+        return self.validate(model, rt, lengths=[len(ids) for ids in self.valid_data["tgt_ids"]])
 
     # ------------------------------------------------------------ a trained run
     def _check_batch_budget(self, train) -> None:

@@ -10,8 +10,10 @@ trainer works out the epochs it will train and takes the row of RULE for them:
     a step budget (max_steps, max_epochs)   known up front: max_steps / steps per epoch
     a time budget (max_time)                a short calibration before the real model is built,
                                             inside the budget: CALIBRATION_STEPS training steps of
-                                            a throwaway model on real batches and one validation,
-                                            then the time left at that pace (validation every
+                                            a throwaway model on real batches and one validation
+                                            as a trained model's would run (Task.validate_as_trained:
+                                            translations as long as their references), then the
+                                            time left at that pace (validation every
                                             valid_every steps included); the RNG is put back after
 
 The earliest limit wins. Epochs are counted in batches of the corpus as the recipe tokenises it
@@ -80,7 +82,8 @@ def expected_epochs(recipe: Recipe, task, rt, steps_per_epoch: int, seconds_left
 
 def calibrate(recipe: Recipe, task, rt, clock: Callable[[], float]) -> tuple[float, float]:
     """Seconds an optimizer step takes (the median of CALIBRATION_STEPS) and one validation
-    takes, measured on a throwaway model with the recipe's settings; torch's RNG is put back."""
+    takes (as a trained model's would run), measured on a throwaway model with the recipe's
+    settings; torch's RNG is put back."""
     cfg = recipe.train
     rng = torch.get_rng_state()
     model = task.build_model().to(rt.device)
@@ -98,7 +101,7 @@ def calibrate(recipe: Recipe, task, rt, clock: Callable[[], float]) -> tuple[flo
         optimizer.zero_grad(set_to_none=True)
         times.append(clock() - began)
     began = clock()
-    task.validate(model, rt)
+    task.validate_as_trained(model, rt)
     valid = clock() - began
     torch.set_rng_state(rng)
     return statistics.median(times[2:]), valid
@@ -132,6 +135,22 @@ def fit_run(recipe: Recipe, whole: Recipe, task, rt, cluster: Cluster, seconds_l
     if _has(recipe, "data.sampling_alpha") and recipe.data.sampling_alpha != fitted.data.sampling_alpha:
         task.prepare(out_dir, emit if cluster.writer else ignore)  # the tokenizer is trained already
     return fitted, keep_fitted(whole, fitted), record
+
+
+def in_hindsight(record: dict | None, epochs: float, stop_reason: str | None, emit: Event) -> dict | None:
+    """train.json's record at the end of a run that its time budget ended: the epochs it trained,
+    and, where RULE's row for them is not the row chosen (the calibration misjudged the pace), that
+    row, with a warning."""
+    if not record or record.get("rule") != "budget" or stop_reason != "max_time":
+        return record
+    row = {k: v for k, v in row_for(epochs).items() if k in record["chosen"]}
+    if row == record["chosen"]:
+        return {**record, "trained_epochs": epochs}
+    emit("warning", {"message": f"regularisation was chosen for ~{record['expected_epochs']:.1f} epochs "
+                                f"({record['estimated_from']}), the run trained {epochs:.1f}: the calibration "
+                                f"misjudged the pace; for {epochs:.1f} epochs the rule takes "
+                                + ", ".join(f"{k} = {v:g}" for k, v in row.items())})
+    return {**record, "trained_epochs": epochs, "row_for_trained": row}
 
 
 def keep_fitted(given: Recipe, saved: Recipe) -> Recipe:
