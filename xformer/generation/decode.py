@@ -303,7 +303,7 @@ def translate_ids(
             a, b = cfg.max_len_a, min(cfg.max_len_b, limit)
             if beam == 1:
                 hyps = greedy_decode(model, src, max_len_a=a, max_len_b=b, stats=stats,
-                                     lengths=None if lengths is None else [min(lengths[i], limit) for i in idx])
+                                     lengths=None if lengths is None else [lengths[i] for i in idx])
             else:
                 hyps = beam_search(model, src, beam=beam, lenpen=lenpen, max_len_a=a, max_len_b=b, stats=stats)
             for i, h in zip(idx, hyps, strict=True):

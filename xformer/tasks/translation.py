@@ -235,8 +235,8 @@ class TranslationTask(Task):
         return scores
 
     def validate_as_trained(self, model, rt: Runtime) -> dict:
-        """Each greedy translation as long as its reference: an untrained model stops at once or
-        runs to max_len, which made one calibration's validation 30x another's."""
+        """Each greedy translation as long as its reference: an untrained model's stop at once or
+        run to max_len (the flagship's calibration timed 1.4 s one day, 13.2 s another)."""
         return self.validate(model, rt, lengths=[len(ids) for ids in self.valid_data["tgt_ids"]])
 
     # ------------------------------------------------------------ a trained run
